@@ -1,0 +1,79 @@
+"""`EngineConfig`: the one immutable configuration of an engine, built from CLI flags or kwargs.
+
+Environment variables are read here only (none at import time).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from sits.core.errors import InvalidParameterError
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine configuration; flag names follow vLLM's engine arguments.
+
+    Attributes:
+        model: checkpoint directory or Hugging Face id.
+        tokenizer: tokenizer directory or id; defaults to `model`.
+        served_model_name: the name clients use; defaults to `model`.
+        dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU for float16/bfloat16
+            checkpoints unless asked), "float32", "float16" or "bfloat16".
+        device: "auto" (cuda when available, else cpu), "cpu" or "cuda".
+        block_size: tokens per KV block.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most requests running at once.
+        max_model_len: context length limit; defaults to the model's max_position_embeddings.
+        kv_cache_memory_bytes: KV cache size; on CPU defaults to 1 GiB.
+        gpu_memory_utilization: on GPU, fraction of the GPU memory the engine may use in all.
+        enable_prefix_caching: reuse KV blocks of identical prefixes.
+        seed: seed of the engine's random source (unseeded requests draw from it).
+        enforce_eager: never capture CUDA graphs.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise InvalidParameterError("dtype", f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidParameterError("device", f"device must be auto, cpu or cuda, got {self.device!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(name, f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
+
+    def with_changes(self, **changes: object) -> EngineConfig:
+        """A copy with some fields replaced (validated again)."""
+        return replace(self, **changes)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def sits_cache_dir() -> str:
+    """Directory for locally made artifacts (demo model): $SITS_CACHE_DIR or ~/.cache/sits."""
+    return os.environ.get("SITS_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sits"
+    )

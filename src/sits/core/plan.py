@@ -1,0 +1,95 @@
+"""`StepPlan` (scheduler -> runner) and `StepResult` (runner -> scheduler).
+
+The runner never sees the scheduler: it gets a plan of which tokens to compute for which
+requests, in which KV blocks, and answers with the sampled tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sits.core.outputs import TokenLogprobs
+from sits.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """What the runner keeps for a request it has not seen before (sent once).
+
+    Attributes:
+        request_id: engine request id.
+        prompt_token_ids: the prompt (for repetition penalty and prompt logprobs).
+        sampling_params: the request's sampling parameters (its seed makes its generator).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's work in a step.
+
+    Attributes:
+        request_id: engine request id.
+        token_ids: the tokens whose KV is computed this step (a prompt chunk, the tokens to
+            recompute after preemption, or the last sampled token).
+        start_position: position of token_ids[0] (= tokens already in the KV cache).
+        block_ids: the request's whole block table: KV block ids it reads and writes.
+        sample: True when this step reaches the request's last known token, so a new token is
+            sampled from the last position's logits.
+        output_token_ids: tokens generated so far (penalties, min_tokens); shared, read-only.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the runner computes in one step.
+
+    Attributes:
+        scheduled: requests in batch order, each with its tokens for this step.
+        new_requests: requests the runner sees for the first time this step.
+        finished_request_ids: requests that ended since the last step (runner drops state).
+    """
+
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner produced for a plan.
+
+    Attributes:
+        sampled_token_ids: request id -> the token sampled this step (only requests with
+            `sample=True`).
+        logprobs: request id -> logprobs of the sampled token and its top-N alternatives, for
+            requests that asked for logprobs.
+        prompt_logprobs: request id -> one entry per prompt token computed this step whose
+            logprob is defined (None for position 0), for requests that asked for them.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)

@@ -1,0 +1,93 @@
+"""The per-step inputs every attention layer reads: attention metadata and the paged KV cache.
+
+It is passed explicitly to `model.forward` (no global forward context). Invariant: within a
+layer, every token's K/V of the step is written to the cache before any attention of that layer
+reads it, so sequences scheduled in one step may share blocks one of them fills this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Flat (padding-free) batch layout of one step.
+
+    The step's tokens are the concatenation of each sequence's new tokens. Sequence i's new
+    tokens are `query_start_loc[i]:query_start_loc[i+1]`; they sit at positions
+    `seq_lens[i] - query_len_i .. seq_lens[i] - 1`, and each attends causally to all of the
+    sequence's cached and new tokens up to its own position.
+
+    Attributes:
+        query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
+        seq_lens: [num_seqs] int32, tokens in the KV cache after this step (context length).
+        block_tables: [num_seqs, max_num_blocks] int32, KV block ids (padding 0).
+        slot_mapping: [num_tokens] int64, block_id * block_size + offset of each new token;
+            -1 means do not write.
+        query_start_loc_cpu: the same as a Python list (for CPU loops without device syncs).
+        seq_lens_cpu: the same as a Python list.
+        max_query_len: largest new-token count of a sequence.
+        max_seq_len: largest context length.
+        block_size: tokens per KV block.
+    """
+
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_tables: Tensor
+    slot_mapping: Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Computes paged attention for one layer (PyTorch reference on CPU, Triton on GPU)."""
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        """Write key/value into kv_cache at metadata.slot_mapping, then attend.
+
+        Args:
+            query: [num_tokens, num_heads, head_dim].
+            key, value: [num_tokens, num_kv_heads, head_dim].
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+            metadata: the step's layout.
+            scale: softmax scale (usually head_dim ** -0.5).
+
+        Returns:
+            [num_tokens, num_heads, head_dim] attention output, query dtype.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """Everything a model forward needs besides token ids and positions.
+
+    Attributes:
+        attn_metadata: the step's batch layout; None for a forward with no KV cache.
+        kv_caches: one tensor per decoder layer, [2, num_blocks, block_size, num_kv_heads,
+            head_dim], model dtype.
+        attn_backend: the attention implementation.
+    """
+
+    attn_metadata: AttentionMetadata
+    kv_caches: list[Tensor]
+    attn_backend: AttentionBackend

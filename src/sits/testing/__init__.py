@@ -1,0 +1,1 @@
+"""Helpers for tests and demos: tiny random checkpoints and tokenizers made locally."""
