@@ -1,0 +1,109 @@
+"""Plain PyTorch Mixture-of-Experts: router top-k and the expert loop (reference for kernels).
+
+Invariants:
+- Routing is computed in float32 whatever the logits dtype: softmax over all experts, top-k,
+  then (when asked) renormalisation of the k weights to sum to 1. Softmax is shift-invariant,
+  so strongly negative logits route exactly like their shifted copies.
+- Expert weights use the fused layouts of `layers.moe`: w13 [E, 2I, H] (rows 0:I = gate,
+  I:2I = up) and w2 [E, H, I]; an expert computes w2 @ (SiLU(w1 @ x) * (w3 @ x)).
+- `moe_forward` accumulates the weighted expert outputs in float32 and returns hidden's dtype.
+
+Algorithm: sparsely-gated top-k Mixture-of-Experts (Shazeer et al. 2017); the Mixtral router
+(Jiang et al. 2024, "Mixtral of Experts") is softmax -> top-k -> renormalise, which equals a
+softmax over the top-k logits; Qwen3-MoE renormalises only when `norm_topk_prob` is set.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def select_experts(
+    router_logits: Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+) -> tuple[Tensor, Tensor]:
+    """Pick each token's top-k experts and their weights.
+
+    Args:
+        router_logits: [num_tokens, num_experts], any float dtype.
+        top_k: experts per token, 1 <= top_k <= num_experts.
+        renormalize: divide the k weights by their sum (Mixtral; Qwen3-MoE `norm_topk_prob`).
+        scoring: "softmax" (the only scoring these models use).
+
+    Returns:
+        (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64), the
+        experts in descending weight order.
+
+    Raises:
+        ValueError: an unknown scoring function or top_k out of range.
+    """
+    if scoring != "softmax":
+        raise ValueError(f"unknown MoE scoring function {scoring!r} (supported: 'softmax')")
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [num_tokens, num_experts]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [num_tokens, top_k]
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.long()
+
+
+def expert_mlp(hidden: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """One expert's gated MLP.
+
+    Args:
+        hidden: [num_tokens, hidden_size].
+        w13: [2 * intermediate_size, hidden_size], gate rows then up rows.
+        w2: [hidden_size, intermediate_size].
+
+    Returns:
+        [num_tokens, hidden_size], hidden's dtype.
+    """
+    gate, up = F.linear(hidden, w13).chunk(2, dim=-1)  # [num_tokens, intermediate_size] each
+    return F.linear(F.silu(gate) * up, w2)  # [num_tokens, hidden_size]
+
+
+def moe_forward(
+    hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
+    """Weighted sum of each token's selected experts, looping over experts that got tokens.
+
+    Args:
+        hidden: [num_tokens, hidden_size].
+        w13: [num_experts, 2 * intermediate_size, hidden_size].
+        w2: [num_experts, hidden_size, intermediate_size].
+        topk_weights: [num_tokens, top_k] float32.
+        topk_ids: [num_tokens, top_k] int64, expert ids in [0, num_experts).
+
+    Returns:
+        [num_tokens, hidden_size], hidden's dtype.
+    """
+    num_experts = w13.shape[0]
+    output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    tokens_per_expert = torch.bincount(topk_ids.flatten(), minlength=num_experts).tolist()
+    for expert_id, num_expert_tokens in enumerate(tokens_per_expert):
+        if num_expert_tokens == 0:
+            continue
+        token_idx, choice_idx = torch.nonzero(topk_ids == expert_id, as_tuple=True)  # [n] each
+        expert_out = expert_mlp(hidden[token_idx], w13[expert_id], w2[expert_id])  # [n, hidden]
+        weights = topk_weights[token_idx, choice_idx].float()[:, None]  # [n, 1]
+        output.index_add_(0, token_idx, expert_out.float() * weights)
+    return output.to(hidden.dtype)
+
+
+class TorchMoe:
+    """The CPU/reference MoE backend: `select_experts` and `moe_forward` as methods."""
+
+    def select_experts(
+        self, router_logits: Tensor, top_k: int, renormalize: bool
+    ) -> tuple[Tensor, Tensor]:
+        """See `select_experts`: ([T, k] float32 weights, [T, k] int64 ids)."""
+        return select_experts(router_logits, top_k, renormalize)
+
+    def experts(
+        self, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    ) -> Tensor:
+        """See `moe_forward`: [T, H] in hidden's dtype."""
+        return moe_forward(hidden, w13, w2, topk_weights, topk_ids)

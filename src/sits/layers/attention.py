@@ -1,0 +1,96 @@
+"""Self-attention block: fused QKV projection, optional per-head q/k RMSNorm, RoPE, paged
+attention through the step's backend, output projection.
+
+Invariants: the module holds no KV state; it reads and writes `ctx.kv_caches[layer_idx]` through
+`ctx.attn_backend`, which writes the step's K/V before attending. q/k norms (Qwen3) are applied
+per head before RoPE, as in Hugging Face Qwen3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from sits.layers.forward_context import ForwardContext
+from sits.layers.linear import QKVLinear
+from sits.layers.norm import RMSNorm
+from sits.layers.rotary import RopeConfig, RotaryEmbedding
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Shape and options of one attention block.
+
+    Attributes:
+        hidden_size: model width.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (num_heads % num_kv_heads == 0).
+        head_dim: size of one head.
+        rope: rotary embedding parameters.
+        qkv_bias: q/k/v projections have a bias (Qwen2; Llama/Qwen3 `attention_bias`).
+        o_bias: the output projection has a bias.
+        qk_norm: RMSNorm over each q/k head before RoPE (Qwen3), with eps `rms_norm_eps`.
+        rms_norm_eps: eps of the q/k norms.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rms_norm_eps: float = 1e-6
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with grouped-query heads over the paged KV cache.
+
+    Attributes:
+        layer_idx: which `ctx.kv_caches` entry this layer uses.
+        num_heads, num_kv_heads, head_dim: head layout.
+        scale: softmax scale, head_dim ** -0.5.
+    """
+
+    def __init__(self, config: AttentionConfig, layer_idx: int) -> None:
+        super().__init__()
+        assert config.num_heads % config.num_kv_heads == 0, "heads must group evenly"
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            bias=config.qkv_bias,
+        )  # fmt: skip
+        self.o_proj = nn.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config.rope)
+
+    def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
+        """Attend over the step's tokens and the sequences' cached tokens.
+
+        Args:
+            positions: [num_tokens] int64, each token's position in its sequence.
+            hidden: [num_tokens, hidden_size].
+            ctx: the step's metadata, KV caches and attention backend.
+
+        Returns:
+            [num_tokens, hidden_size], hidden's dtype.
+        """
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)  # [T, H, D], [T, K, D], [T, K, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm.normalize(q)
+            k = self.k_norm.normalize(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = ctx.attn_backend.forward(
+            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale
+        )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,261 @@
+"""Building a model from a checkpoint directory: config -> class -> safetensors weights.
+
+Weight names are mapped from Hugging Face checkpoints onto our fused parameters:
+- self_attn.{q,k,v}_proj.{weight,bias} -> self_attn.qkv_proj (rows of part q, k, v);
+- mlp.{gate,up}_proj.{weight,bias} -> mlp.gate_up_proj (rows of part gate, up);
+- per-expert weights, hub style: mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE; also
+  what transformers 5 `save_pretrained` writes) and block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
+  (Mixtral; w1 = gate, w3 = up, w2 = down) -> mlp.w13[e] rows gate/up, mlp.w2[e];
+- fused experts as transformers 5 holds them in memory: mlp.experts.gate_up_proj [E, 2I, H]
+  (gate rows first) -> mlp.w13, mlp.experts.down_proj [E, H, I] -> mlp.w2;
+- block_sparse_moe.gate -> mlp.gate (router); everything else by identical name.
+
+Invariants: every parameter element is written exactly once, or loading fails with
+UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
+model is built on the meta device and materialised on the target device in the target dtype, so
+no full-size float32 copy is ever made.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from sits.core.errors import ModelNotFoundError, UnsupportedModelError
+from sits.layers.decoder import DecoderForCausalLM
+from sits.layers.linear import FusedLinear
+from sits.layers.moe import MoeBackend, SparseMoeBlock
+from sits.models.hf_config import load_hf_config
+from sits.models.registry import get_model_class
+
+HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+_MAX_NAMES_IN_ERROR = 8
+
+_QKV = re.compile(r"^(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.(weight|bias)$")
+_EXPERT_W13 = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3)\.weight$")
+_EXPERT_W2 = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(down_proj|w2)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
+_SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where one checkpoint tensor goes: param[index] (index () = the whole parameter)."""
+
+    param_name: str
+    index: tuple[int | slice, ...]
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local checkpoint directory for a path or a Hugging Face Hub id.
+
+    An existing directory is returned as is. Otherwise the name is looked up in the local
+    Hugging Face cache, then downloaded (safetensors, json and tokenizer files only).
+
+    Raises:
+        ModelNotFoundError: not a directory and not obtainable from the Hub (no network, no
+            such repository, no access).
+    """
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.startswith(("/", "./", "../", "~")):
+        raise ModelNotFoundError(f"model path {name_or_path!r} is not a checkpoint directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(
+                name_or_path, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True
+            )
+        except Exception:  # not cached: try the network below
+            return snapshot_download(name_or_path, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as err:
+        raise ModelNotFoundError(
+            f"model {name_or_path!r} is neither a local directory nor downloadable from the "
+            f"Hugging Face Hub ({type(err).__name__}: {err})"
+        ) from err
+
+
+def load_model(
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    moe_backend: MoeBackend | None = None,
+) -> DecoderForCausalLM:
+    """Build the model of a checkpoint directory and load its safetensors weights.
+
+    Args:
+        model_dir: directory with config.json and model.safetensors (or sharded
+            model-*.safetensors with model.safetensors.index.json).
+        dtype: parameter dtype (checkpoint tensors are cast).
+        device: where the parameters live.
+        moe_backend: MoE compute backend for sparse layers (default: PyTorch reference).
+
+    Returns:
+        The model in eval mode, parameters without gradients.
+
+    Raises:
+        ModelNotFoundError: no config.json or no safetensors files.
+        UnsupportedModelError: unsupported architecture or option, or weights that do not
+            match the model (missing, unexpected, duplicated, wrong shape).
+    """
+    hf_config = load_hf_config(model_dir)
+    model_class = get_model_class(hf_config)
+    config = model_class.config_from_hf(hf_config)
+    with torch.device("meta"):
+        model = model_class(config, moe_backend)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    model.tie_weights()
+    load_weights(model, safetensors_files(model_dir))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files (from the shard index when there is one).
+
+    Raises:
+        ModelNotFoundError: no safetensors file.
+        UnsupportedModelError: only PyTorch .bin weights.
+    """
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    if glob.glob(os.path.join(model_dir, "*.bin")):
+        raise UnsupportedModelError(
+            f"{model_dir!r} has only PyTorch .bin weights; sits loads safetensors only"
+        )
+    raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+
+
+def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
+    """Copy every checkpoint tensor into its (slice of a) parameter, checking full coverage.
+
+    Raises:
+        UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
+    """
+    params = dict(model.named_parameters())
+    loaded_numel = dict.fromkeys(params, 0)
+    seen_regions: set[tuple[str, str]] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if _is_skipped(model, name):
+                    continue
+                target = _target_of(model, name, params)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                region = (target.param_name, repr(target.index))
+                if region in seen_regions:
+                    raise UnsupportedModelError(f"checkpoint weight {name} is loaded twice")
+                seen_regions.add(region)
+                param = params[target.param_name]
+                loaded_numel[target.param_name] += _copy(param, target, f.get_tensor(name), name)
+    repeated = [n for n, p in params.items() if loaded_numel[n] > p.numel()]
+    if repeated:
+        raise UnsupportedModelError(
+            f"checkpoint weights written more than once: {_names(repeated)}"
+        )
+    missing = [n for n, p in params.items() if loaded_numel[n] < p.numel()]
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"checkpoint weights do not match {type(model).__name__}: "
+            f"missing {_names(missing)}; unexpected {_names(unexpected)}"
+        )
+
+
+def _names(names: list[str]) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
+
+
+def _is_skipped(model: DecoderForCausalLM, name: str) -> bool:
+    """Checkpoint tensors that carry no parameter: RoPE buffers, a tied LM head's copy."""
+    if _SKIPPED.search(name):
+        return True
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
+
+
+def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Target | None:
+    """Our parameter (and slice of it) for a checkpoint name; None if nothing matches."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    target: _Target | None
+    if match := _QKV.match(name):
+        prefix, part, kind = match.groups()
+        target = _fused_part(model, f"{prefix}.qkv_proj", "qkv".index(part), kind)
+    elif match := _GATE_UP.match(name):
+        prefix, part, kind = match.groups()
+        target = _fused_part(model, f"{prefix}.gate_up_proj", ("gate", "up").index(part), kind)
+    elif match := _EXPERT_W13.match(name):
+        prefix, expert, part = match.groups()
+        target = _expert_part(
+            model, prefix, int(expert), "up" if part in ("up_proj", "w3") else "gate"
+        )
+    elif match := _EXPERT_W2.match(name):
+        prefix, expert, _ = match.groups()
+        target = _expert_part(model, prefix, int(expert), "down")
+    elif match := _FUSED_EXPERTS.match(name):
+        prefix, which, _ = match.groups()
+        target = _Target(f"{prefix}.{'w13' if which == 'gate_up_proj' else 'w2'}", ())
+    else:
+        target = _Target(name, ())
+    if target is None or target.param_name not in params:
+        return None
+    return target
+
+
+def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> _Target | None:
+    module = _submodule(model, module_name)
+    if not isinstance(module, FusedLinear):
+        return None
+    return _Target(f"{module_name}.{kind}", (module.part_rows(part),))
+
+
+def _expert_part(model: nn.Module, prefix: str, expert: int, part: str) -> _Target | None:
+    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down")."""
+    module = _submodule(model, prefix)
+    if not isinstance(module, SparseMoeBlock) or expert >= module.config.num_experts:
+        return None
+    if part == "down":
+        return _Target(f"{prefix}.w2", (expert,))
+    inter = module.config.intermediate_size
+    rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter)
+    return _Target(f"{prefix}.w13", (expert, rows))
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _copy(param: Tensor, target: _Target, tensor: Tensor, name: str) -> int:
+    """Copy (casting dtype/device) into param[target.index]; returns the elements written."""
+    destination = param.data[target.index] if target.index else param.data
+    if tuple(destination.shape) != tuple(tensor.shape):
+        raise UnsupportedModelError(
+            f"checkpoint weight {name} has shape {tuple(tensor.shape)}, expected "
+            f"{tuple(destination.shape)} for {target.param_name}"
+        )
+    destination.copy_(tensor)
+    return destination.numel()

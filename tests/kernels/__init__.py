@@ -1,0 +1,1 @@
+"""Tests of sits.kernels references."""

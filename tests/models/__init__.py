@@ -1,0 +1,1 @@
+"""Tests of sits.models: parity with transformers, the loader, tiny checkpoints."""
