@@ -52,9 +52,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise InvalidParameterError("dtype", f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise InvalidParameterError(
+                "dtype", f"dtype must be one of {_DTYPES}, got {self.dtype!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
-            raise InvalidParameterError("device", f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise InvalidParameterError(
+                "device", f"device must be auto, cpu or cuda, got {self.device!r}"
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"{name} must be >= 1")

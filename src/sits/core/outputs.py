@@ -61,6 +61,8 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it, or None.
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: a message when the request failed inside the engine.
+        first_scheduled_time: time.monotonic() when the request was first scheduled (sent
+            once, on its first output).
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,21 +8,18 @@ ready to sample its next token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 from sits.core.sampling_params import SamplingParams
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a request ended; the values are the OpenAI `finish_reason` strings."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the client went away or the request was cancelled
     ERROR = "error"  # the engine failed while serving it
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class RequestStatus(Enum):

@@ -94,7 +94,9 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}.")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", f"must be an integer, -1 or 0 (disabled) or >= 1, got {self.top_k!r}.")
+            raise bad(
+                "top_k", f"must be an integer, -1 or 0 (disabled) or >= 1, got {self.top_k!r}."
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}.")
         if self.seed is not None and not _is_int(self.seed):
@@ -110,7 +112,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+            raise bad(
+                "min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})."
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

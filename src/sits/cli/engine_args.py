@@ -1,0 +1,46 @@
+"""Engine flags shared by `sits generate`, `sits serve` and the benchmarks (vLLM names)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
+    """Add the `EngineConfig` flags to a parser."""
+    parser.add_argument("--model", required=model_required, default=None)
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` keyword arguments from parsed flags."""
+    return {
+        "model": args.model,
+        "tokenizer": args.tokenizer,
+        "dtype": args.dtype,
+        "device": args.device,
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
+    }

@@ -1,0 +1,38 @@
+"""`sits` command line: `sits serve | generate ...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sits.core.errors import SitsError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `sits` argument parser with every subcommand."""
+    from sits.cli.generate import add_generate_parser
+    from sits.cli.serve import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="sits", description="multi-tenant LLM serving")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    add_generate_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SitsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""`AsyncLLM`: the asyncio front end of the engine, used by the HTTP server.
+
+The `EngineCore` step loop runs in its own thread; the asyncio side tokenizes, detokenizes and
+delivers outputs to one queue per request, so HTTP work never runs on the step loop.
+Commands reach the engine thread through a thread-safe inbox; outputs come back with
+`loop.call_soon_threadsafe`. Invariants: every request that leaves `generate` unfinished
+(client gone, task cancelled) is aborted and its KV blocks freed at the next loop iteration;
+if the loop dies, every in-flight request gets `EngineDeadError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sits.config import EngineConfig
+from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
+from sits.core.outputs import EngineCoreOutput, RequestOutput
+from sits.core.request import FinishReason
+from sits.core.sampling_params import SamplingParams
+from sits.engine.builder import build_engine
+from sits.engine.output_processor import OutputProcessor
+from sits.engine.requests import child_request_ids, make_engine_requests
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, taken by the engine thread after each step.
+
+    Attributes:
+        num_running: requests holding KV blocks.
+        num_waiting: requests queued (new or preempted).
+        kv_cache_usage: fraction of KV blocks in use, 0..1.
+        num_free_blocks, num_total_blocks: KV blocks free and in all.
+        num_preemptions: preemptions since start.
+        num_steps: engine steps since start.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class AsyncLLM:
+    """Asynchronous engine front end.
+
+    Args:
+        config: engine configuration.
+        health_timeout_s: the engine counts as unhealthy when its loop has not completed an
+            iteration for this many seconds (a hung step).
+    """
+
+    def __init__(self, config: EngineConfig, *, health_timeout_s: float = 10.0) -> None:
+        parts = build_engine(config)
+        self.config = config
+        self.engine_core = parts.core
+        self.tokenizer = parts.tokenizer
+        self.info = parts.info
+        self.max_model_len = parts.info.max_model_len
+        self.model_name = config.model_name
+        self.health_timeout_s = health_timeout_s
+        self.errored = False
+        self.dead_error: BaseException | None = None
+        self._processor = OutputProcessor(self.tokenizer)
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._heartbeat_s = time.monotonic()
+        self._stats = EngineStats()
+        self._update_stats()
+        self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        tenant_id: str = "default",
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields RequestOutputs as `params.output_kind` says.
+
+        Raises:
+            InvalidParameterError, PromptTooLongError: before anything is yielded.
+            EngineDeadError: the engine loop is dead or hung (at once), or died meanwhile.
+        """
+        self._check_alive()
+        if self._processor.has_request(request_id):
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is in use")
+        children = make_engine_requests(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.info.eos_token_ids,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            tenant_id=tenant_id,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        for child in children:
+            self.engine_core.check_request(child.num_prompt_tokens, child.max_tokens)
+        self._loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._processor.add_request(
+            request_id,
+            child_request_ids(request_id, params.n),
+            prompt,
+            list(prompt_token_ids),
+            params,
+            children[0].arrival_time,
+            sink,
+        )
+        self._inbox.put(("add", request_id, children))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are freed at the engine's next loop iteration."""
+        self._abort_now(request_id)
+
+    def is_healthy(self) -> bool:
+        """True while the engine thread is alive and its loop keeps turning."""
+        if self.errored or self._stopping or not self._thread.is_alive():
+            return False
+        return time.monotonic() - self._heartbeat_s < self.health_timeout_s
+
+    def stats(self) -> EngineStats:
+        """The latest load snapshot."""
+        return self._stats
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; unfinished requests get EngineDeadError."""
+        self._stopping = True
+        self._inbox.put(("stop",))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # ---- asyncio side -------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if not self.is_healthy():
+            reason = self.dead_error or "the engine loop is not responding"
+            raise EngineDeadError(f"engine is not available: {reason}")
+
+    def _abort_now(self, request_id: str) -> None:
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._inbox.put(("finish", open_ids, FinishReason.ABORT, None))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        processed = self._processor.process(outputs)
+        for child_id, stop_str in processed.stop_requests:
+            self._inbox.put(("finish", [child_id], FinishReason.STOP, stop_str))
+        for sink, out in processed.request_outputs:
+            sink.put_nowait(out)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        sink = self._processor.sink_of(request_id)
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._inbox.put(("finish", open_ids, FinishReason.ABORT, None))
+        if sink is not None:
+            sink.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in self._processor.request_ids():
+            self._fail_request(request_id, error)
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        core = self.engine_core
+        try:
+            while not self._stopping:
+                self._heartbeat_s = time.monotonic()
+                self._drain_inbox(block=not core.has_unfinished_requests())
+                if self._stopping or not core.has_unfinished_requests():
+                    continue
+                outputs = core.step()
+                self._update_stats()
+                if outputs and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self.errored = True
+            if self._loop is not None and not self._loop.is_closed():
+                dead = EngineDeadError(f"the engine loop died: {exc!r}")
+                self._loop.call_soon_threadsafe(self._fail_all, dead)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._update_stats()
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, children = command
+            try:
+                for child in children:
+                    self.engine_core.add_request(child)
+            except SitsError as exc:  # checked on the front end already; never kill the loop
+                self.engine_core.finish_requests([c.request_id for c in children])
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_request, request_id, exc)
+        elif kind == "finish":
+            _, ids, reason, stop_reason = command
+            self.engine_core.finish_requests(ids, reason, stop_reason)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _update_stats(self) -> None:
+        sched = self.engine_core.scheduler
+        self._stats = EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=sched.kv_usage,
+            num_free_blocks=sched.num_free_blocks,
+            num_total_blocks=sched.num_total_blocks,
+            num_preemptions=getattr(sched, "num_preemptions", 0),
+            num_steps=self.engine_core.num_steps,
+        )

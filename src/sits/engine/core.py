@@ -1,0 +1,118 @@
+"""`EngineCore`: the step loop's body: schedule, run the model, update, report.
+
+It is synchronous and single-threaded: `LLM` calls `step()` directly and `AsyncLLM` calls it
+from its own engine thread. Messages in and out are plain dataclasses (`Request` in,
+`EngineCoreOutput` out), so the core can later move into its own process.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.outputs import EngineCoreOutput
+from sits.core.request import FinishReason, Request
+from sits.runner.model_info import ModelInfo
+from sits.runner.model_runner import ModelRunner
+from sits.sched.config import SchedulerConfig
+from sits.sched.scheduler import Scheduler
+
+
+class EngineCore:
+    """Scheduler + model runner.
+
+    Args:
+        config: engine configuration.
+        info: the resolved checkpoint facts (see `read_model_info`).
+
+    Attributes:
+        runner: the model runner (device state).
+        scheduler: the scheduler (KV block and batch decisions).
+        num_steps: steps run so far.
+    """
+
+    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        self.config = config
+        self.info = info
+        self.runner = ModelRunner(config, info)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=info.max_model_len,
+                block_size=config.block_size,
+                num_blocks=self.runner.num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self.num_steps = 0
+        self._first_scheduled_s: dict[str, float] = {}
+        self._unreported_first_scheduled: set[str] = set()
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise at once if a request can never be served.
+
+        Raises:
+            InvalidParameterError: the prompt is empty.
+            PromptTooLongError: prompt + max_tokens exceeds max_model_len or the whole KV cache.
+        """
+        if num_prompt_tokens == 0:
+            raise InvalidParameterError("prompt", "prompt must contain at least one token")
+        limit = self.info.max_model_len
+        if num_prompt_tokens + max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
+            )
+        cache_tokens = self.runner.num_blocks * self.config.block_size
+        if num_prompt_tokens + max_tokens > cache_tokens:
+            raise PromptTooLongError(
+                f"The request needs {num_prompt_tokens + max_tokens} tokens of KV cache "
+                f"({num_prompt_tokens} prompt + {max_tokens} max_tokens) but the whole cache "
+                f"holds {cache_tokens} tokens."
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (raises like `check_request` when it can never fit)."""
+        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        self.scheduler.add_request(request)
+
+    def finish_requests(
+        self,
+        request_ids: list[str],
+        reason: FinishReason = FinishReason.ABORT,
+        stop_reason: int | str | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside (abort, stop string); frees their blocks at once."""
+        for request_id in request_ids:
+            self._first_scheduled_s.pop(request_id, None)
+            self._unreported_first_scheduled.discard(request_id)
+        return self.scheduler.finish_requests(request_ids, reason, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step.
+
+        Returns:
+            One output per request that produced tokens, logprobs or finished this step.
+        """
+        plan = self.scheduler.schedule()
+        now = time.monotonic()
+        for sr in plan.scheduled:
+            if sr.request_id not in self._first_scheduled_s:
+                self._first_scheduled_s[sr.request_id] = now
+                self._unreported_first_scheduled.add(sr.request_id)
+        result = self.runner.run(plan)
+        outputs = self.scheduler.update(plan, result)
+        self.num_steps += 1
+        for out in outputs:
+            if out.request_id in self._unreported_first_scheduled:
+                self._unreported_first_scheduled.discard(out.request_id)
+                out.first_scheduled_time = self._first_scheduled_s[out.request_id]
+            if out.finished:
+                self._first_scheduled_s.pop(out.request_id, None)
+        return outputs

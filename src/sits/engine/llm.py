@@ -1,0 +1,167 @@
+"""`LLM`: the offline, synchronous API (vLLM's `LLM`): generate and chat over a batch of prompts.
+
+All prompts are queued at once and the engine steps until every one has finished, so they
+are batched continuously. Outputs come back in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError
+from sits.core.outputs import RequestOutput
+from sits.core.request import FinishReason
+from sits.core.sampling_params import RequestOutputKind, SamplingParams
+from sits.engine.builder import build_engine
+from sits.engine.output_processor import OutputProcessor
+from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.engine.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Loads a model and generates for batches of prompts.
+
+    Args:
+        model: checkpoint directory or Hugging Face id.
+        **kwargs: any `EngineConfig` field (dtype, device, seed, max_model_len, max_num_seqs,
+            max_num_batched_tokens, block_size, kv_cache_memory_bytes, enable_prefix_caching...).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError: the model cannot be loaded.
+        TypeError: an unknown keyword argument.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        parts = build_engine(self.config)
+        self.engine_core = parts.core
+        self.tokenizer = parts.tokenizer
+        self.info = parts.info
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions.
+
+        Args:
+            prompts: a string, a dict {"prompt_token_ids": [...]} (or {"prompt": str}), or a
+                list of them.
+            sampling_params: one for all prompts, one per prompt, or None for the defaults.
+
+        Returns:
+            One finished RequestOutput per prompt, in prompt order.
+
+        Raises:
+            InvalidParameterError / PromptTooLongError: a prompt or parameter is invalid; no
+                request of the call is run then.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the tokenizer's chat template.
+
+        Args:
+            messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+            sampling_params: as for `generate`.
+            add_generation_prompt: end the rendered prompt with the assistant turn's header.
+        """
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        encoded = [
+            (None, self.tokenizer.apply_chat_template(c, add_generation_prompt))
+            for c in conversations
+        ]
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)))
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidParameterError("prompt", f"unsupported prompt type: {type(prompt).__name__}")
+
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise InvalidParameterError(
+                "sampling_params", f"got {len(sampling_params)} sampling params for {n} prompts"
+            )
+        return list(sampling_params)
+
+    def _run(
+        self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        core = self.engine_core
+        processor = OutputProcessor(self.tokenizer)
+        batches = []
+        for (prompt, ids), params in zip(encoded, params_list):
+            params = _final_only(params)
+            request_id = str(next(self._counter))
+            children = make_engine_requests(
+                request_id,
+                ids,
+                params,
+                eos_token_ids=self.info.eos_token_ids,
+                max_model_len=self.info.max_model_len,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            )
+            for child in children:  # validate everything before queueing anything
+                core.check_request(child.num_prompt_tokens, child.max_tokens)
+            batches.append((request_id, prompt, ids, params, children))
+        finished: dict[str, RequestOutput] = {}
+        for request_id, prompt, ids, params, children in batches:
+            processor.add_request(
+                request_id,
+                child_request_ids(request_id, params.n),
+                prompt,
+                ids,
+                params,
+                children[0].arrival_time,
+            )
+            for child in children:
+                core.add_request(child)
+        while core.has_unfinished_requests():
+            processed = processor.process(core.step())
+            for child_id, stop_str in processed.stop_requests:
+                core.finish_requests([child_id], FinishReason.STOP, stop_str)
+            for _, out in processed.request_outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[b[0]] for b in batches]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

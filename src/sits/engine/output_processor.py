@@ -1,0 +1,273 @@
+"""Turns `EngineCoreOutput`s into user-facing `RequestOutput`s.
+
+It runs on the front-end side (never on the step loop's thread): detokenizes incrementally,
+matches stop strings, joins the n samples of a request, converts logprobs, and stamps the
+request's timing metrics. A stop-string match finishes the sample here; the caller must then
+finish the engine request (`stop_requests` of the returned batch).
+Invariant: in DELTA mode the concatenation of all text deltas of a sample equals its final text,
+and no delta ever holds part of a matched stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sits.core.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    TokenLogprobs,
+)
+from sits.core.request import FinishReason
+from sits.core.sampling_params import RequestOutputKind, SamplingParams
+from sits.engine.detokenizer import IncrementalDetokenizer
+from sits.engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class _Sample:
+    """Front-end state of one sample (one engine request)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0
+    num_text_chars_sent: int = 0
+    finish_sent: bool = False
+
+
+@dataclass(slots=True)
+class _Parent:
+    """Front-end state of one user request (n samples)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    sink: Any
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """Result of processing one step's outputs.
+
+    Attributes:
+        request_outputs: (sink given at add_request, output) pairs to deliver.
+        stop_requests: (engine request id, stop string) of samples a stop string finished.
+    """
+
+    request_outputs: list[tuple[Any, RequestOutput]] = field(default_factory=list)
+    stop_requests: list[tuple[str, str]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Builds RequestOutputs for the requests it was told about.
+
+    Args:
+        tokenizer: used for detokenization and logprob token texts.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Sample]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        child_ids: list[str],
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        sink: Any = None,
+    ) -> None:
+        """Track a user request whose samples run as the engine requests `child_ids`."""
+        samples = [
+            _Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
+            for i in range(len(child_ids))
+        ]
+        if params.logprobs is not None:
+            for s in samples:
+                s.logprobs, s.cumulative_logprob = [], 0.0
+        parent = _Parent(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            samples,
+            RequestMetrics(arrival_time),
+            sink,
+        )
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = []
+        self._parents[request_id] = parent
+        for child_id, sample in zip(child_ids, samples):
+            self._children[child_id] = (parent, sample)
+
+    def remove_request(self, request_id: str) -> list[str]:
+        """Forget a user request; returns the engine ids of its unfinished samples."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        open_ids = []
+        for child_id, (p, sample) in list(self._children.items()):
+            if p is parent:
+                del self._children[child_id]
+                if sample.finish_reason is None:
+                    open_ids.append(child_id)
+        return open_ids
+
+    def sink_of(self, request_id: str) -> Any:
+        """The sink given at add_request, or None for an unknown request."""
+        parent = self._parents.get(request_id)
+        return None if parent is None else parent.sink
+
+    def request_ids(self) -> list[str]:
+        """Ids of the user requests being tracked."""
+        return list(self._parents)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._parents)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's engine outputs; returns what to deliver and what to stop."""
+        batch = ProcessedOutputs()
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        for out in outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:
+                continue  # aborted on the front end while the step ran
+            parent, sample = entry
+            if sample.finish_reason is not None:
+                continue
+            self._apply(parent, sample, out, now, batch)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            request_output = self._make_output(parent)
+            if request_output is not None:
+                batch.request_outputs.append((parent.sink, request_output))
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self.remove_request(parent.request_id)
+        return batch
+
+    def _apply(
+        self,
+        parent: _Parent,
+        sample: _Sample,
+        out: EngineCoreOutput,
+        now: float,
+        batch: ProcessedOutputs,
+    ) -> None:
+        metrics = parent.metrics
+        if out.first_scheduled_time is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.first_scheduled_time
+        if sample.index == 0:
+            parent.num_cached_tokens = max(out.num_cached_tokens, 0)
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
+            parent.prompt_logprobs.extend(self._convert(e) for e in out.new_prompt_logprobs)
+        if out.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            sample.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and sample.logprobs is not None:
+                for entry in out.new_logprobs:
+                    sample.logprobs.append(self._convert(entry))
+                    sample.cumulative_logprob += entry.logprobs[0]
+            stop_terminated = (
+                out.finish_reason is FinishReason.STOP
+                and not parent.params.include_stop_str_in_output
+            )
+            stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated)
+            if stop_str is not None:
+                sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop_str
+                if out.finish_reason is None:  # the engine still runs it: stop it there
+                    batch.stop_requests.append((out.request_id, stop_str))
+        if out.finish_reason is not None and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        sample.text += sample.detokenizer.get_delta(finished=sample.finish_reason is not None)
+
+    def _convert(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
+        if entry is None:
+            return None
+        decode = self.tokenizer.decode_token
+        return {
+            token_id: Logprob(logprob, rank, decode(token_id))
+            for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+        }
+
+    def _make_output(self, parent: _Parent) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        finished = parent.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        completions = []
+        for s in parent.samples:
+            new_tokens = len(s.token_ids) > s.num_tokens_sent
+            just_finished = s.finish_reason is not None and not s.finish_sent
+            if delta and not (new_tokens or just_finished or len(s.text) > s.num_text_chars_sent):
+                continue
+            completions.append(self._completion(s, delta))
+        prompt_logprobs = None
+        complete = parent.prompt_logprobs is not None and len(parent.prompt_logprobs) >= len(
+            parent.prompt_token_ids
+        )
+        if complete and not (delta and parent.prompt_logprobs_sent):
+            prompt_logprobs = parent.prompt_logprobs
+            parent.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _completion(s: _Sample, delta: bool) -> CompletionOutput:
+        start_tok = s.num_tokens_sent if delta else 0
+        start_chr = s.num_text_chars_sent if delta else 0
+        out = CompletionOutput(
+            index=s.index,
+            text=s.text[start_chr:],
+            token_ids=s.token_ids[start_tok:],
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=s.logprobs[start_tok:] if s.logprobs is not None else None,
+            finish_reason=str(s.finish_reason) if s.finish_reason is not None else None,
+            stop_reason=s.stop_reason,
+        )
+        s.num_tokens_sent = len(s.token_ids)
+        s.num_text_chars_sent = len(s.text)
+        s.finish_sent = s.finish_reason is not None
+        return out

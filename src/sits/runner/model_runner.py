@@ -1,0 +1,180 @@
+"""`ModelRunner`: runs one step of a `StepPlan` on the model and samples.
+
+It owns everything on the device: the model weights, the paged KV cache, and each request's
+sampling state (its random generator survives preemption, so a seeded request gives the same
+tokens after it is resumed). It never imports the scheduler. This is the plain PyTorch path
+(CPU and eager GPU); the CUDA-graph fast path plugs in behind the same `run()`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import Tensor
+
+from sits.config import EngineConfig
+from sits.core.outputs import TokenLogprobs
+from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
+from sits.kernels.attention_ref import TorchPagedAttention
+from sits.layers.forward_context import ForwardContext
+from sits.models.loader import load_model
+from sits.runner.inputs import build_step_inputs
+from sits.runner.kv_cache_alloc import (
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    num_kv_blocks,
+)
+from sits.runner.model_info import ModelInfo
+from sits.sampling.sampler import Sampler, compute_prompt_logprobs
+from sits.sampling.state import SamplingState
+
+
+class ModelRunner:
+    """Model, KV cache and per-request sampling state on one device.
+
+    Args:
+        config: engine configuration (dtype, device, block size, KV memory).
+        info: what the engine read from the checkpoint (dtype, eos ids, context length).
+
+    Attributes:
+        device, dtype: where and in which dtype the model runs.
+        num_blocks: KV blocks allocated.
+    """
+
+    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        self.config = config
+        self.info = info
+        self.device = info.device
+        self.dtype = info.dtype
+        self.block_size = config.block_size
+        self.model = load_model(info.model_dir, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        arch = self.model.arch
+        bytes_per_block = kv_bytes_per_block(
+            arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.dtype
+        )
+        self.num_blocks = num_kv_blocks(
+            bytes_per_block=bytes_per_block,
+            device=self.device,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=info.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            block_size=self.block_size,
+        )
+        self.kv_caches = allocate_kv_caches(
+            arch.num_layers,
+            self.num_blocks,
+            self.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.kv_cache_bytes = bytes_per_block * self.num_blocks
+        self.attn_backend = TorchPagedAttention()
+        self.sampler = Sampler()
+        self._seed_source = random.Random(config.seed)
+        self._states: dict[str, SamplingState] = {}
+        # Prompt logprobs already returned per request (a resumed request recomputes its
+        # prompt, but each prompt position is reported once).
+        self._prompt_logprobs_done: dict[str, int] = {}
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        """Compute the plan's tokens, write their KV, and sample where `sample` is set.
+
+        Args:
+            plan: requests and tokens of this step.
+
+        Returns:
+            StepResult with one sampled token per request with `sample=True`, plus logprobs
+            and prompt logprobs where asked.
+        """
+        for request_id in plan.finished_request_ids:
+            self._states.pop(request_id, None)
+            self._prompt_logprobs_done.pop(request_id, None)
+        for new in plan.new_requests:
+            self._states[new.request_id] = self._new_state(new)
+        result = StepResult()
+        if plan.is_empty:
+            return result
+        inputs = build_step_inputs(plan, self.block_size, self.device)
+        ctx = ForwardContext(inputs.metadata, self.kv_caches, self.attn_backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
+        self._prompt_logprobs(plan, inputs.last_token_indices, hidden, result)
+        self._sample(plan, inputs.last_token_indices, hidden, result)
+        return result
+
+    def _new_state(self, new: NewRequestData) -> SamplingState:
+        return SamplingState.create(
+            new.sampling_params,
+            new.prompt_token_ids,
+            self.info.eos_token_ids,
+            self._seed_source,
+            device=self.device,
+        )
+
+    def _sample(
+        self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
+    ) -> None:
+        rows: list[int] = []
+        states: list[SamplingState] = []
+        ids: list[str] = []
+        for sr, last in zip(plan.scheduled, last_indices):
+            if not sr.sample:
+                continue
+            state = self._states[sr.request_id]
+            state.output_token_ids = sr.output_token_ids
+            rows.append(last)
+            states.append(state)
+            ids.append(sr.request_id)
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        out = self.sampler(logits, states)
+        for request_id, token_id, logprobs in zip(ids, out.token_ids, out.logprobs):
+            result.sampled_token_ids[request_id] = token_id
+            if logprobs is not None:
+                result.logprobs[request_id] = logprobs
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
+    ) -> None:
+        """Logprobs of prompt tokens computed this step (token p+1 from position p's logits)."""
+        for sr, last in zip(plan.scheduled, last_indices):
+            state = self._states[sr.request_id]
+            num_top = state.params.prompt_logprobs
+            if num_top is None:
+                continue
+            entries = self._prompt_logprobs_of(sr, last, hidden, state, num_top)
+            if entries:
+                result.prompt_logprobs[sr.request_id] = entries
+
+    def _prompt_logprobs_of(
+        self,
+        sr: ScheduledRequest,
+        last: int,
+        hidden: Tensor,
+        state: SamplingState,
+        num_top: int,
+    ) -> list[TokenLogprobs | None]:
+        prompt = state.prompt_token_ids
+        done = self._prompt_logprobs_done.get(sr.request_id, 0)
+        first_flat = last - sr.num_tokens + 1
+        entries: list[TokenLogprobs | None] = []
+        if sr.start_position == 0 and done == 0:
+            entries.append(None)  # the first prompt token has no logprob
+            done = 1
+        # Positions p in this chunk whose next token p+1 is a prompt token not yet reported.
+        first_pos = max(sr.start_position, done - 1)
+        end_pos = min(sr.start_position + sr.num_tokens, len(prompt) - 1)
+        if first_pos < end_pos:
+            rows = [first_flat + p - sr.start_position for p in range(first_pos, end_pos)]
+            logits = self.model.compute_logits(hidden[rows])  # [n, vocab] float32
+            targets = torch.tensor(prompt[first_pos + 1 : end_pos + 1], device=logits.device)
+            entries.extend(compute_prompt_logprobs(logits, targets, num_top))
+            done = end_pos + 1
+        self._prompt_logprobs_done[sr.request_id] = done
+        return entries
