@@ -1,0 +1,67 @@
+"""`build_app`: the FastAPI application of one engine.
+
+The app owns a `ServerContext` (settings, lifecycle, per-app metrics registry) in
+`app.state.ctx`; its lifespan starts the engine-health monitor and, on exit, stops it and
+(optionally) shuts the engine down. Nothing is global, so one process may build several apps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+import sits
+from sits.server.context import ServerContext, ServerSettings
+from sits.server.engine_client import EngineClient
+from sits.server.errors import install_error_handlers
+from sits.server.lifecycle import ServerLifecycle
+from sits.server.routes import api_router, ops_router
+
+
+def build_app(
+    engine: EngineClient,
+    settings: ServerSettings | None = None,
+    *,
+    on_fatal: Callable[[int], None] | None = None,
+    shutdown_engine: bool = True,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `engine`.
+
+    Args:
+        engine: a started engine front end (`AsyncLLM` or a test double).
+        settings: server options; defaults to no key, 30 s drain.
+        on_fatal: called with an exit code when the engine dies (the CLI exits the process).
+        shutdown_engine: shut the engine down when the app's lifespan ends.
+    """
+    settings = settings or ServerSettings()
+    lifecycle = ServerLifecycle(
+        engine,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        health_poll_s=settings.health_poll_s,
+        on_fatal=on_fatal,
+    )
+    ctx = ServerContext(engine, settings, lifecycle)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lifecycle.start()
+        try:
+            yield
+        finally:
+            await lifecycle.stop()
+            if shutdown_engine:
+                await engine.shutdown()
+
+    app = FastAPI(
+        title="sits",
+        version=sits.__version__,
+        summary="OpenAI-compatible LLM server",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(ops_router)
+    app.include_router(api_router)
+    return app

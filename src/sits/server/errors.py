@@ -1,0 +1,150 @@
+"""Errors as OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure an HTTP client can see goes through `error_body`: user errors from
+`sits.core.errors` become 400 with `param` naming the field, pydantic validation errors become
+400 (not FastAPI's 422), unknown models 404, bad API keys 401, draining or a dead engine 503.
+Only unexpected exceptions are 500, and their message never carries a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
+from sits.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class ServerError(Exception):
+    """An error with its HTTP status and OpenAI error fields.
+
+    Attributes:
+        status: HTTP status code.
+        message: human-readable message.
+        type: OpenAI error type ("invalid_request_error", "service_unavailable_error", ...).
+        param: the request field at fault, or None.
+        code: a short machine-readable code, or None.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def model_not_found(name: str) -> ServerError:
+    """404 for a `model` this server does not serve."""
+    return ServerError(
+        404,
+        f"The model `{name}` does not exist.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unavailable(message: str, code: str) -> ServerError:
+    """503: the server is draining or the engine is down; the client should retry elsewhere."""
+    return ServerError(503, message, type="service_unavailable_error", code=code)
+
+
+def unsupported(param: str, message: str) -> ServerError:
+    """400 for a field sits does not implement and will not ignore."""
+    return ServerError(400, message, param=param, code="unsupported_parameter")
+
+
+def to_server_error(exc: BaseException) -> ServerError:
+    """Map any exception to a `ServerError` (500 for unexpected ones, logged with traceback)."""
+    if isinstance(exc, ServerError):
+        return exc
+    if isinstance(exc, InvalidParameterError):
+        return ServerError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine is not running: {exc}", "engine_dead")
+    if isinstance(exc, SitsError):
+        return ServerError(400, str(exc))
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return ServerError(
+        500, f"Internal server error ({type(exc).__name__}).", type="internal_server_error"
+    )
+
+
+def error_body(err: ServerError) -> dict[str, Any]:
+    """The OpenAI error body of `err` as a JSON-ready dict."""
+    info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(err: ServerError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSONResponse carrying `err` with its status."""
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+def validation_error(exc: RequestValidationError) -> ServerError:
+    """400 for a body pydantic refused; `param` is the first field at fault.
+
+    Unknown fields read as OpenAI's "Unrecognized request argument supplied: NAME".
+    """
+    errors = exc.errors()
+    if not errors:
+        return ServerError(400, "Invalid request body.")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    param = str(loc[0]) if loc and isinstance(loc[0], str) else None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ServerError(400, f"The body is not valid JSON: {first.get('msg', '')}.")
+    if kind == "extra_forbidden" and len(loc) == 1:
+        return ServerError(
+            400, f"Unrecognized request argument supplied: {param}", param=param, code=None
+        )
+    if not loc:
+        return ServerError(400, f"Invalid request body: {first.get('msg', '')}.")
+    where = ".".join(str(part) for part in loc)
+    return ServerError(400, f"{where}: {first.get('msg', 'invalid value')}.", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error `app` raises an OpenAI error body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(ServerError)
+    async def _on_server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(SitsError)
+    async def _on_sits_error(request: Request, exc: SitsError) -> JSONResponse:
+        return error_response(to_server_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus else ""
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        err = ServerError(exc.status_code, message or phrase, code=phrase.lower() or None)
+        return error_response(err, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_server_error(exc))

@@ -1,0 +1,188 @@
+"""`GenerationJob`: the engine requests of one HTTP request, merged into one output queue.
+
+One HTTP request holds one engine request per prompt (a completion may carry a batch of
+prompts; each engine request handles its own n samples). A pump task per prompt iterates
+`engine.generate` and puts `(prompt_index, RequestOutput)` items into one asyncio queue, so
+the handler reads a single merged stream whatever the number of prompts.
+
+Invariants:
+- `close()` always runs (handlers use `async with`): it cancels the pumps still running, which
+  closes their generators and so aborts the engine requests and frees their KV blocks at once,
+  then calls `engine.abort` for every unfinished request as a second guard.
+- `fail(exc)` (used by drain and by engine-death handling) makes the next `next()` raise `exc`
+  and stops the pumps; outputs queued before it are still delivered first.
+- HTTP work never runs on the engine's step loop: pumps only move finished Python objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sits.core.outputs import RequestOutput
+from sits.core.sampling_params import SamplingParams
+from sits.server.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePrompt:
+    """One prompt of a job: its text (when given as text), token ids and sampling params."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class OutputObserver:
+    """Receives every output of one engine request (metrics); the default does nothing."""
+
+    def on_output(self, output: RequestOutput) -> None:
+        """Called for each output, in order, on the event loop."""
+
+    def on_abort(self) -> None:
+        """Called once when the request ends without a finished output (abort, failure)."""
+
+
+@dataclass(slots=True)
+class _PromptDone:
+    index: int
+
+
+class GenerationJob:
+    """The engine requests of one HTTP request and their merged outputs.
+
+    Args:
+        engine: the engine front end.
+        request_id: the HTTP request's id; prompt i runs as engine request
+            `request_id` (one prompt) or `f"{request_id}-p{i}"`.
+        prompts: the prompts, each with its sampling params.
+        priority, cache_salt: passed to the engine.
+        make_observer: builds an observer per prompt (metrics); None for none.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        make_observer: Callable[[EnginePrompt], OutputObserver] | None = None,
+    ) -> None:
+        assert prompts, "a job needs at least one prompt"
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.engine_request_ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-p{i}" for i in range(len(prompts))]
+        )
+        self._make_observer = make_observer or (lambda _p: OutputObserver())
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | _PromptDone | BaseException] = (
+            asyncio.Queue()
+        )
+        self._pumps: list[asyncio.Task[None]] = []
+        self._finished = [False] * len(prompts)
+        self._num_open = len(prompts)
+        self._failure: BaseException | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start one pump task per prompt."""
+        for index, prompt in enumerate(self.prompts):
+            self._pumps.append(asyncio.create_task(self._pump(index, prompt)))
+
+    async def _pump(self, index: int, prompt: EnginePrompt) -> None:
+        observer = self._make_observer(prompt)
+        finished = False
+        gen = self.engine.generate(
+            self.engine_request_ids[index],
+            prompt.token_ids,
+            prompt.params,
+            prompt=prompt.text,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+        )
+        try:
+            async for output in gen:
+                observer.on_output(output)
+                finished = output.finished
+                self._queue.put_nowait((index, output))
+            self._queue.put_nowait(_PromptDone(index))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait(exc)
+        finally:
+            self._finished[index] = finished
+            if not finished:
+                observer.on_abort()
+            with contextlib.suppress(BaseException):
+                await gen.aclose()  # type: ignore[attr-defined]
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next (prompt index, output), or None once every prompt has finished.
+
+        Raises:
+            BaseException: what the engine raised for a prompt, or what `fail` was given.
+        """
+        while True:
+            if self._num_open == 0:
+                return None
+            item = await self._queue.get()
+            if isinstance(item, _PromptDone):
+                self._num_open -= 1
+                continue
+            if isinstance(item, BaseException):
+                self._num_open = 0
+                raise item
+            return item
+
+    def fail(self, exc: BaseException) -> None:
+        """Make the consumer's next `next()` raise `exc` (after queued outputs) and stop pumps."""
+        if self._failure is not None or self._closed:
+            return
+        self._failure = exc
+        for pump in self._pumps:
+            pump.cancel()
+        self._queue.put_nowait(exc)
+
+    @property
+    def all_finished(self) -> bool:
+        """True when every engine request delivered its finished output."""
+        return all(self._finished)
+
+    async def close(self) -> None:
+        """Stop the pumps and abort every unfinished engine request (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for pump in self._pumps:
+            pump.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        for index, request_id in enumerate(self.engine_request_ids):
+            if self._finished[index]:
+                continue
+            try:
+                await asyncio.wait_for(self.engine.abort(request_id), _ABORT_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - the engine may be dead; nothing more to free
+                logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def __aenter__(self) -> GenerationJob:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,217 @@
+"""Prometheus metrics of one server (`GET /metrics`), named like vLLM's with the prefix `sits:`.
+
+Each app owns its `CollectorRegistry` (never the global one), so tests can build several apps
+in one process. Gauges (running, waiting, KV usage, preemptions) are read from
+`engine.stats()` at scrape time; counters and histograms are fed by `RequestRecorder`, which
+sees every output of an engine request:
+- TTFT = first_token_time - arrival_time, queue time = first_scheduled_time - arrival_time,
+  E2E = finished_time - arrival_time, once per engine request;
+- inter-token latency: the time between the arrivals of two successive outputs that carry new
+  tokens (timed on arrival: the engine's timestamps may already belong to a later step);
+- time per output token: (last_token_time - first_token_time) / (tokens - 1) per sample;
+- prompt tokens once per engine request (when its first output arrives), generation tokens as
+  they arrive; request_success_total once per sample, labelled by its finish reason.
+Times are `time.monotonic()` seconds (the engine's timestamps except for inter-token latency).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from sits.core.outputs import RequestOutput
+from sits.server.engine_client import EngineClient
+from sits.server.jobs import EnginePrompt, OutputObserver
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's load at scrape time."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        try:
+            stats = self.engine.stats()
+        except Exception:  # noqa: BLE001 - a dead engine has no stats; scrape the rest
+            return
+        gauges = (
+            ("sits:num_requests_running", "Requests running on the engine.", stats.num_running),
+            ("sits:num_requests_waiting", "Requests waiting to run.", stats.num_waiting),
+            (
+                "sits:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (1 = full).",
+                stats.kv_cache_usage,
+            ),
+            ("sits:num_free_blocks", "Free KV cache blocks.", stats.num_free_blocks),
+            ("sits:num_total_blocks", "KV cache blocks in all.", stats.num_total_blocks),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        preemptions = CounterMetricFamily(
+            "sits:num_preemptions", "Requests preempted so far.", labels=["model_name"]
+        )
+        preemptions.add_metric([self.model_name], float(stats.num_preemptions))
+        yield preemptions
+
+
+class ServerMetrics:
+    """The metrics of one server; `render()` is the `/metrics` body.
+
+    Args:
+        engine: read for the gauges at scrape time.
+        model_name: value of the `model_name` label.
+    """
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(engine, model_name))
+        labels = ["model_name"]
+        reg = self.registry
+        self.request_success = Counter(
+            "sits:request_success",
+            "Finished samples by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "sits:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "sits:generation_tokens", "Tokens generated.", labels, registry=reg
+        )
+        self.ttft = Histogram(
+            "sits:time_to_first_token_seconds",
+            "Time to first token (engine arrival to first token).",
+            labels,
+            buckets=_TTFT_BUCKETS_S,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "sits:inter_token_latency_seconds",
+            "Time between successive token outputs of a request.",
+            labels,
+            buckets=_ITL_BUCKETS_S,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "sits:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per sample.",
+            labels,
+            buckets=_ITL_BUCKETS_S,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "sits:e2e_request_latency_seconds",
+            "End-to-end request latency (engine arrival to finish).",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "sits:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=reg,
+        )
+
+    def recorder(self, prompt: EnginePrompt) -> RequestRecorder:
+        """An observer recording one engine request's outputs."""
+        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestRecorder(OutputObserver):
+    """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples)."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_samples: int) -> None:
+        self.m = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_samples = num_samples
+        self.saw_output = False
+        self.saw_first_token = False
+        self.last_token_time: float | None = None
+        self.tokens_by_sample: dict[int, int] = {}
+        self.finished_samples: set[int] = set()
+
+    def on_output(self, output: RequestOutput) -> None:
+        label = self.m.model_name
+        metrics = output.metrics
+        if not self.saw_output:
+            self.saw_output = True
+            self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+            if metrics is not None and metrics.first_scheduled_time is not None:
+                queued_s = metrics.first_scheduled_time - metrics.arrival_time
+                self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
+        num_new = 0
+        for sample in output.outputs:
+            num_new += len(sample.token_ids)
+            count = self.tokens_by_sample.get(sample.index, 0) + len(sample.token_ids)
+            self.tokens_by_sample[sample.index] = count
+            if sample.finish_reason is not None and sample.index not in self.finished_samples:
+                self.finished_samples.add(sample.index)
+                self.m.request_success.labels(label, sample.finish_reason).inc()
+        if num_new:
+            self.m.generation_tokens.labels(label).inc(num_new)
+            self._observe_token_times(output)
+        if output.finished and metrics is not None and metrics.finished_time is not None:
+            self.m.e2e.labels(label).observe(max(metrics.finished_time - metrics.arrival_time, 0))
+            self._observe_tpot(output)
+
+    def _observe_token_times(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        if metrics is None:
+            return
+        if not self.saw_first_token and metrics.first_token_time is not None:
+            self.saw_first_token = True
+            ttft_s = metrics.first_token_time - metrics.arrival_time
+            self.m.ttft.labels(self.m.model_name).observe(max(ttft_s, 0.0))
+        # The engine's metrics object may already reflect later steps when an output is read,
+        # so the gap between outputs is timed here, when each one arrives.
+        now = time.monotonic()
+        if self.last_token_time is not None:
+            self.m.itl.labels(self.m.model_name).observe(now - self.last_token_time)
+        self.last_token_time = now
+
+    def _observe_tpot(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        assert metrics is not None
+        if metrics.first_token_time is None or metrics.last_token_time is None:
+            return
+        span_s = metrics.last_token_time - metrics.first_token_time
+        for count in self.tokens_by_sample.values():
+            if count > 1:
+                self.m.tpot.labels(self.m.model_name).observe(max(span_s, 0.0) / (count - 1))
+
+    def on_abort(self) -> None:
+        for index in range(self.num_samples):
+            if index not in self.finished_samples:
+                self.finished_samples.add(index)
+                self.m.request_success.labels(self.m.model_name, "abort").inc()

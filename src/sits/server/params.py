@@ -1,0 +1,217 @@
+"""From OpenAI request bodies to `SamplingParams`, and the refusal of unsupported fields.
+
+Invariants:
+- A field that would change the meaning of a request but is not implemented (tools,
+  structured output, `suffix`, `best_of` > n, ...) is refused with a 400 naming it; it is never
+  ignored silently.
+- Values are validated by `SamplingParams` itself (one place); fields whose OpenAI name differs
+  from the `SamplingParams` name (`top_logprobs`, `max_completion_tokens`) are checked here so
+  the error names the field the client sent.
+- A prompt that cannot fit is refused vLLM-style before it reaches the engine: prompt tokens +
+  max_tokens > max_model_len is a 400 stating both numbers; with no max_tokens the completion
+  may fill the context, and a prompt that leaves no room at all is a 400 too.
+"""
+
+from __future__ import annotations
+
+from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from sits.server.errors import ServerError, unsupported
+from sits.server.protocol_chat import ChatCompletionRequest
+from sits.server.protocol_completion import CompletionRequest
+
+_MIN_SEED = -(2**63)
+_MAX_SEED = 2**63 - 1
+
+
+def _check_seed(seed: int | None) -> None:
+    """OpenAI seeds are 64-bit integers; a larger one must not reach the engine's generator."""
+    if seed is not None and not _MIN_SEED <= seed <= _MAX_SEED:
+        raise InvalidParameterError("seed", f"seed must be a 64-bit signed integer, got {seed}.")
+
+
+def _check_stream_options(stream: bool | None, has_options: bool) -> None:
+    if has_options and not stream:
+        raise ServerError(
+            400, "stream_options can only be set when stream is true.", param="stream_options"
+        )
+
+
+def check_completion_request(req: CompletionRequest) -> None:
+    """Refuse the completion fields sits does not implement.
+
+    Raises:
+        ServerError: 400 naming the field.
+    """
+    if req.suffix:
+        raise unsupported("suffix", "suffix (insertion) is not supported.")
+    if req.best_of is not None and req.best_of != req.n:
+        if req.best_of < req.n:
+            raise ServerError(400, "best_of must be >= n.", param="best_of")
+        raise unsupported("best_of", "best_of > n is not supported; use n.")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported.")
+    _check_seed(req.seed)
+    _check_stream_options(req.stream, req.stream_options is not None)
+
+
+def _is_off(value: object) -> bool:
+    return value is None or value == "none"
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    """Refuse the chat fields sits does not implement.
+
+    Raises:
+        ServerError: 400 naming the field.
+    """
+    refused: list[tuple[str, bool, str]] = [
+        ("tools", bool(req.tools), "tool calling is not supported."),
+        ("tool_choice", not _is_off(req.tool_choice), "tool calling is not supported."),
+        ("functions", bool(req.functions), "function calling is not supported."),
+        ("function_call", not _is_off(req.function_call), "function calling is not supported."),
+        (
+            "response_format",
+            req.response_format is not None and req.response_format.type != "text",
+            "only response_format {'type': 'text'} is supported.",
+        ),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported."),
+        (
+            "modalities",
+            req.modalities is not None and list(req.modalities) != ["text"],
+            "only the text modality is supported.",
+        ),
+        ("audio", req.audio is not None, "audio output is not supported."),
+        ("prediction", req.prediction is not None, "predicted outputs are not supported."),
+        ("reasoning_effort", req.reasoning_effort is not None, "this model does not reason."),
+        ("web_search_options", req.web_search_options is not None, "web search is unsupported."),
+        ("continue_final_message", req.continue_final_message, "not supported."),
+        ("echo", req.echo, "echo is not supported for chat completions."),
+        ("chat_template", req.chat_template is not None, "custom chat templates unsupported."),
+        ("chat_template_kwargs", bool(req.chat_template_kwargs), "not supported."),
+        ("documents", bool(req.documents), "documents are not supported."),
+        (
+            "add_special_tokens",
+            req.add_special_tokens,
+            "the chat template writes the special tokens itself.",
+        ),
+    ]
+    for param, bad, why in refused:
+        if bad:
+            raise unsupported(param, f"{param}: {why}")
+    if req.top_logprobs is not None:
+        if not isinstance(req.top_logprobs, int) or not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError(
+                "top_logprobs",
+                f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                f"got {req.top_logprobs!r}.",
+            )
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise InvalidParameterError(
+                "top_logprobs", "top_logprobs requires logprobs to be true."
+            )
+    _check_seed(req.seed)
+    _check_stream_options(req.stream, req.stream_options is not None)
+
+
+def check_max_tokens(param: str, value: int | None) -> None:
+    """Raise InvalidParameterError(param) unless value is None or an integer >= 0."""
+    if value is not None and (isinstance(value, bool) or value < 0):
+        raise InvalidParameterError(param, f"{param} must be an integer >= 0, got {value!r}.")
+
+
+def resolve_max_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+) -> int:
+    """The number of tokens a request may generate (vLLM's rule).
+
+    Args:
+        requested: max_tokens as asked (validated >= 0), or None for "fill the context".
+        num_prompt_tokens: the prompt's length in tokens.
+        max_model_len: the context limit in tokens.
+        prompt_param: the field to blame ("prompt" or "messages").
+
+    Raises:
+        PromptTooLongError: prompt + max_tokens > max_model_len, or no room is left with None.
+    """
+    if requested is None:
+        if num_prompt_tokens >= max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for the "
+                "completion. Please reduce the length of the prompt.",
+                param=prompt_param,
+            )
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"prompt, {requested} for the completion). Please reduce the length of the prompt "
+            "or max_tokens.",
+            param=prompt_param,
+        )
+    return requested
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _common_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
+    return {
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "stop": _stop_list(req.stop),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+        "output_kind": RequestOutputKind.DELTA,
+    }
+
+
+def completion_sampling_params(req: CompletionRequest, max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of a completion request (DELTA outputs; the server joins them).
+
+    `echo` with `logprobs` asks for prompt logprobs too (the echoed prompt tokens carry theirs).
+
+    Raises:
+        InvalidParameterError: a value is out of range (`param` names the field).
+    """
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    return SamplingParams(
+        **_common_kwargs(req),
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def chat_sampling_params(req: ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of a chat request: `logprobs` + `top_logprobs` become `logprobs=N`.
+
+    Raises:
+        InvalidParameterError: a value is out of range (`param` names the field).
+    """
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return SamplingParams(**_common_kwargs(req), max_tokens=max_tokens, logprobs=logprobs)
+
+
+def chat_max_tokens_field(req: ChatCompletionRequest) -> tuple[str, int | None]:
+    """The (field name, value) limiting a chat answer: max_completion_tokens wins."""
+    if req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens

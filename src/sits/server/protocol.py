@@ -1,0 +1,94 @@
+"""OpenAI wire types shared by every endpoint: errors, usage, stream options, models, tokenize.
+
+Field names and shapes follow the OpenAI API reference and vLLM's extensions (`/tokenize`,
+`/detokenize`, `max_model_len` on a model card) so the official `openai` client and vLLM users
+read them unchanged. Request models forbid unknown fields (OpenAI answers 400 "Unrecognized
+request argument"); the error handler names the field in `param`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: unknown fields are a 400, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(BaseModel):
+    """The `error` object of an OpenAI error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    """Details of the prompt's tokens (how many came from the prefix cache)."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one request.
+
+    Attributes:
+        prompt_tokens: prompt tokens, counted once per prompt however many samples (n) run.
+        completion_tokens: generated tokens summed over every choice.
+        total_tokens: prompt_tokens + completion_tokens.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class StreamOptions(RequestModel):
+    """`stream_options`: usage chunk at the end (OpenAI) and in every chunk (vLLM extra)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`.
+
+    Attributes:
+        id: the served model name (what clients pass as `model`).
+        root: the checkpoint directory.
+        max_model_len: context length in tokens (vLLM extra).
+        random_weights: True when the weights are random (the untrained demo model): its text
+            is noise; the field exists so nobody mistakes it for a trained model.
+        description: a plain sentence saying what is served.
+    """
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sits"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    random_weights: bool = False
+    description: str | None = None
+    permission: list[Any] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    """Body of `GET /v1/models`."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

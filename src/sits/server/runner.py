@@ -1,0 +1,105 @@
+"""Running an app under uvicorn with sits' shutdown rules.
+
+- The first SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate stop: the
+  listening socket stays open so new requests get a 503 rather than a refused connection,
+  admitted requests finish for up to `shutdown_timeout_s`, open streams are then cut with a
+  final error event, and the process exits 0. A second signal stops at once.
+- When the engine dies, the lifecycle calls `fatal(code)`: open requests have already been
+  failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
+  process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from sits.server.lifecycle import ServerLifecycle
+
+logger = logging.getLogger(__name__)
+
+# After the drain, uvicorn waits this long for connections to finish before cancelling them.
+_GRACEFUL_CLOSE_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains the lifecycle before stopping.
+
+    Attributes:
+        exit_code: 0 after a drain (clean or cut), the engine-death code after `fatal`.
+        drained_cleanly: None until a drain ends, then whether nothing had to be cut.
+    """
+
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.exit_code = 0
+        self.drained_cleanly: bool | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        lifecycle.on_fatal = self.fatal
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Signal handler: the first signal drains, a second one stops at once."""
+        if self._drain_task is not None or self.should_exit or self._loop is None:
+            logger.warning("second signal %s: stopping without waiting", sig)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        logger.info("signal %s: draining before exit", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self.start_drain)
+
+    def start_drain(self) -> None:
+        """Begin the drain (on the event loop); idempotent."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            self.drained_cleanly = await self.lifecycle.drain()
+        finally:
+            self.should_exit = True
+
+    def fatal(self, exit_code: int) -> None:
+        """Stop serving and make `run_app` return `exit_code` (engine death)."""
+        self.exit_code = exit_code
+        self.should_exit = True
+
+
+def make_server(
+    app: FastAPI, host: str, port: int, log_level: str = "info", **uvicorn_kwargs: object
+) -> DrainingServer:
+    """A DrainingServer for `app` (whose lifecycle is `app.state.ctx.lifecycle`)."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(_GRACEFUL_CLOSE_S),
+        lifespan="on",
+        **uvicorn_kwargs,  # type: ignore[arg-type]
+    )
+    return DrainingServer(config, app.state.ctx.lifecycle)
+
+
+def run_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Serve `app` until drained or the engine dies.
+
+    Returns:
+        The process exit code: 0 after a signal-initiated drain, non-zero after engine death.
+    """
+    server = make_server(app, host, port, log_level)
+    asyncio.run(server.serve())
+    if server.drained_cleanly is False:
+        logger.warning("drain timed out: open requests were cut")
+    return server.exit_code

@@ -1,0 +1,243 @@
+"""What completions and chat share: prompt token checks, running a job, joining DELTA outputs.
+
+`serve_job` owns the life of one generation request once it is admitted:
+1. it registers and starts the job, then waits for the first output while watching for a
+   disconnect, so engine-side refusals (prompt too long for the KV cache, ...) are still an
+   HTTP 400 and not a broken stream;
+2. streamed: it hands an `SSEResponse` the renderer's frames (an exception becomes a final
+   error event) and the cleanup; non-streamed: it joins all outputs while watching for a
+   disconnect;
+3. in every case it closes the job (aborting what is unfinished, freeing KV blocks at once),
+   unregisters it and releases the admission ticket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from sits.core.errors import InvalidParameterError
+from sits.core.outputs import Logprob, RequestOutput
+from sits.server.context import ServerContext
+from sits.server.engine_client import ServerTokenizer
+from sits.server.errors import ServerError, error_body, to_server_error
+from sits.server.jobs import GenerationJob
+from sits.server.lifecycle import Ticket
+from sits.server.protocol import UsageInfo
+from sits.server.sse import (
+    DONE_EVENT,
+    ClientDisconnected,
+    SSEResponse,
+    run_until_disconnect,
+    sse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; nobody reads it
+
+Item = tuple[int, RequestOutput]
+StreamRenderer = Callable[[AsyncIterator[Item]], AsyncIterator[str]]
+FinalRenderer = Callable[[list["PromptResult"]], BaseModel]
+
+
+def drop_double_bos(token_ids: list[int], bos_token_id: int | None) -> list[int]:
+    """Keep one BOS when a prompt starts with two (text that already held BOS, case C12)."""
+    if bos_token_id is not None and token_ids[:2] == [bos_token_id, bos_token_id]:
+        return token_ids[1:]
+    return token_ids
+
+
+def check_text(param: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (lone surrogates, which JSON can carry).
+
+    Raises:
+        InvalidParameterError: naming `param`.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParameterError(
+            param, f"{param} is not valid Unicode text (position {exc.start}: lone surrogate)."
+        ) from exc
+
+
+def encode_prompt(tokenizer: ServerTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of a text prompt with exactly one BOS when the tokenizer adds one.
+
+    Raises:
+        InvalidParameterError("prompt"): the text is not valid Unicode.
+    """
+    check_text("prompt", text)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return drop_double_bos(list(ids), tokenizer.bos_token_id)
+
+
+def check_prompt_ids(token_ids: list[int], tokenizer: ServerTokenizer, param: str) -> None:
+    """Refuse an empty prompt and token ids outside the vocabulary.
+
+    Raises:
+        InvalidParameterError: naming `param`.
+    """
+    if not token_ids:
+        raise InvalidParameterError(
+            param, f"{param} is empty: it must contain at least one token after tokenization."
+        )
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    for token_id in token_ids:
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            raise InvalidParameterError(
+                param, f"token id {token_id} is out of the vocabulary [0, {vocab_size})."
+            )
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """One joined sample of a non-streamed answer."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class PromptResult:
+    """The joined answer to one prompt: its samples and prompt facts."""
+
+    prompt_token_ids: list[int]
+    samples: list[SampleResult]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+
+def check_output(output: RequestOutput) -> None:
+    """Raise a 500 when the engine failed a request (finish_reason "error")."""
+    for sample in output.outputs:
+        if sample.finish_reason == "error":
+            raise ServerError(
+                500, "The engine failed while serving this request.", type="internal_server_error"
+            )
+
+
+def join_output(results: list[PromptResult], index: int, output: RequestOutput) -> None:
+    """Fold one DELTA output of prompt `index` into `results`."""
+    check_output(output)
+    result = results[index]
+    if output.prompt_logprobs is not None:
+        result.prompt_logprobs = list(output.prompt_logprobs)
+    result.num_cached_tokens = output.num_cached_tokens
+    for delta in output.outputs:
+        sample = result.samples[delta.index]
+        sample.text += delta.text
+        sample.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            sample.finish_reason = delta.finish_reason
+            sample.stop_reason = delta.stop_reason
+
+
+async def iterate(first: Item | None, job: GenerationJob) -> AsyncIterator[Item]:
+    """All (prompt index, output) items of a job, starting with the already read `first`."""
+    if first is None:
+        return
+    yield first
+    while (item := await job.next()) is not None:
+        yield item
+
+
+async def collect(first: Item | None, job: GenerationJob) -> list[PromptResult]:
+    """Join every output of a job into one result per prompt."""
+    results = [
+        PromptResult(list(p.token_ids), [SampleResult() for _ in range(p.params.n)])
+        for p in job.prompts
+    ]
+    async for index, output in iterate(first, job):
+        join_output(results, index, output)
+    return results
+
+
+def usage_of(prompt_token_counts: list[int], completion_token_counts: list[int]) -> UsageInfo:
+    """Usage: each prompt counted once, completion tokens summed over every choice."""
+    prompt_tokens = sum(prompt_token_counts)
+    completion_tokens = sum(completion_token_counts)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def results_usage(results: list[PromptResult]) -> UsageInfo:
+    """Usage of a joined answer."""
+    return usage_of(
+        [len(r.prompt_token_ids) for r in results],
+        [len(s.token_ids) for r in results for s in r.samples],
+    )
+
+
+def error_frame(exc: BaseException) -> str:
+    """The final SSE event of a stream that failed: an OpenAI error body."""
+    return sse_event(error_body(to_server_error(exc)))
+
+
+async def _guarded(frames: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass frames through; an exception ends the stream with an error event and [DONE]."""
+    try:
+        async for frame in frames:
+            yield frame
+    except ClientDisconnected:
+        return
+    except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
+        yield error_frame(exc)
+        yield DONE_EVENT
+
+
+async def serve_job(
+    ctx: ServerContext,
+    raw: Request,
+    ticket: Ticket,
+    job: GenerationJob,
+    *,
+    stream: bool,
+    render_stream: StreamRenderer,
+    render_final: FinalRenderer,
+) -> Response:
+    """Run an admitted job to an HTTP response (see the module docstring).
+
+    Raises:
+        ServerError, SitsError: turned into an OpenAI error body by the app's handlers.
+    """
+    handed_off = False
+
+    async def cleanup() -> None:
+        try:
+            await job.close()
+        finally:
+            ctx.lifecycle.remove_job(job)
+            ticket.release()
+
+    try:
+        ctx.lifecycle.add_job(job)
+        job.start()
+        first = await run_until_disconnect(raw.receive, job.next())
+        if stream:
+            frames = _guarded(render_stream(iterate(first, job)))
+            handed_off = True
+            return SSEResponse(frames, on_close=cleanup)
+        results = await run_until_disconnect(raw.receive, collect(first, job))
+        body = render_final(results)
+        return Response(content=body.model_dump_json(), media_type="application/json")
+    except ClientDisconnected:
+        logger.info("client disconnected; request %s aborted", job.request_id)
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    finally:
+        if not handed_off:
+            await cleanup()

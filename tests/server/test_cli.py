@@ -1,0 +1,119 @@
+"""`sits serve` flags, the API key from the environment, and the demo model (built and served)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import sits.demo as demo
+from sits.cli.serve import add_serve_parser, engine_config_kwargs, resolve_api_key
+from sits.config import EngineConfig
+from tests.server.live import free_port
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sits")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_map_to_the_engine_config() -> None:
+    args = _parse(
+        [
+            "--model", "/m", "--host", "0.0.0.0", "--port", "9001",
+            "--served-model-name", "tiny", "--max-model-len", "512", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--dtype", "float32",
+            "--kv-cache-memory-bytes", "1000000", "--gpu-memory-utilization", "0.5",
+            "--seed", "7", "--no-enable-prefix-caching", "--shutdown-timeout", "2.5",
+        ]
+    )  # fmt: skip
+    config = EngineConfig(**engine_config_kwargs(args, args.model))
+    assert (config.model, config.model_name, config.max_model_len) == ("/m", "tiny", 512)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
+    assert (config.dtype, config.kv_cache_memory_bytes, config.seed) == ("float32", 1000000, 7)
+    assert config.gpu_memory_utilization == 0.5 and config.enable_prefix_caching is False
+    assert (args.host, args.port, args.shutdown_timeout) == ("0.0.0.0", 9001, 2.5)
+    defaults = _parse([])
+    assert defaults.model is None and defaults.model_tag is None
+    assert (defaults.host, defaults.port) == ("127.0.0.1", 8000)
+    assert defaults.enable_prefix_caching is True
+    assert _parse(["/some/ckpt"]).model_tag == "/some/ckpt"
+
+
+def test_api_key_from_flag_or_environment() -> None:
+    assert resolve_api_key(_parse([]), {}) is None
+    assert resolve_api_key(_parse([]), {"SITS_API_KEY": "env-key"}) == "env-key"
+    assert resolve_api_key(_parse(["--api-key", "flag"]), {"SITS_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(_parse([]), {"SITS_API_KEY": ""}) is None
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("sits_cache"))
+
+
+def test_random_demo_model_is_built_once_and_marked(demo_cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SITS_CACHE_DIR", demo_cache)
+    monkeypatch.setattr(demo, "packaged_demo_dir", lambda: tmp_path / "no_packaged_model")
+    path = demo.ensure_demo_model()
+    assert path == os.path.join(demo_cache, "sits-demo-random")
+    assert demo.is_random_demo(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (4096, 2048)
+    stamp = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
+    assert demo.ensure_demo_model() == path
+    assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    (packaged / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "packaged_demo_dir", lambda: packaged)
+    assert demo.ensure_demo_model() == str(packaged) and not demo.is_random_demo(packaged)
+
+
+def test_sits_serve_without_a_model_serves_the_demo(demo_cache, tmp_path) -> None:
+    port = free_port()
+    env = {**os.environ, "SITS_CACHE_DIR": demo_cache, "OMP_NUM_THREADS": "1"}
+    env["SITS_API_KEY"] = "demo-key"
+    cmd = [sys.executable, "-m", "sits.cli.main", "serve", "--port", str(port)]
+    cmd += ["--kv-cache-memory-bytes", str(16 << 20), "--log-level", "warning"]
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": "Bearer demo-key"}
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert httpx.get(f"{base}/v1/models").status_code == 401  # key from SITS_API_KEY
+        card = httpx.get(f"{base}/v1/models", headers=headers).json()["data"][0]
+        random_expected = not (demo.packaged_demo_dir() / "config.json").is_file()
+        assert card["id"] == "sits-demo"
+        assert card["random_weights"] is random_expected
+        if random_expected:
+            assert "RANDOM" in card["description"]
+        body = {"model": "sits-demo", "prompt": "def fibonacci(n):", "max_tokens": 8}
+        out = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()

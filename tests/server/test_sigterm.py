@@ -1,0 +1,155 @@
+"""SIGTERM on a real `sits serve` process with live streams: drain, 503s, exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import free_port
+
+PROMPT = "def fibonacci(n):"
+_START_TIMEOUT_S = 90.0
+
+
+class ServeProcess:
+    """`python -m sits.cli.main serve ...` on a free loopback port."""
+
+    def __init__(self, model_dir: Path, shutdown_timeout_s: float, log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable, "-m", "sits.cli.main", "serve",
+            "--model", str(model_dir),
+            "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", "1024",
+            "--kv-cache-memory-bytes", str(16 << 20),
+            "--shutdown-timeout", str(shutdown_timeout_s),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SITS_API_KEY": ""}
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "sits serve exited during startup"
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("sits serve did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def serve_factory(tiny_moe_dir, tmp_path):
+    started: list[ServeProcess] = []
+
+    def start(shutdown_timeout_s: float) -> ServeProcess:
+        process = ServeProcess(
+            tiny_moe_dir, shutdown_timeout_s, tmp_path / f"serve{len(started)}.log"
+        )
+        started.append(process)
+        process.wait_healthy()
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+class _Stream(threading.Thread):
+    """A streamed completion read in a thread; `first` is set once its first event came."""
+
+    def __init__(self, base_url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.body = base_url, body
+        self.first = threading.Event()
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with (
+                httpx.Client(base_url=self.base_url, timeout=120) as http,
+                http.stream("POST", "/v1/completions", json=self.body) as resp,
+            ):
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: ") :])
+                        self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            self.error = exc
+            self.first.set()
+
+
+def _start_streams(base_url: str, body: dict, count: int) -> list[_Stream]:
+    streams = [_Stream(base_url, body) for _ in range(count)]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        assert stream.first.wait(60) and stream.error is None
+    return streams
+
+
+def _refused_while_draining(base_url: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base_url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "health never turned 503 after SIGTERM"
+        time.sleep(0.02)
+    resp = httpx.post(
+        f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=5
+    )
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "draining"
+
+
+def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
+    server = serve_factory(shutdown_timeout_s=60)
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    streams = _start_streams(server.base_url, body, 3)
+    server.proc.send_signal(signal.SIGTERM)
+    _refused_while_draining(server.base_url)
+    for stream in streams:
+        stream.join(60)
+        assert stream.error is None
+        assert stream.events[-1] == "[DONE]"
+        assert json.loads(stream.events[-2])["usage"]["completion_tokens"] == 150
+    assert server.proc.wait(30) == 0
+
+
+def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
+    server = serve_factory(shutdown_timeout_s=0.5)
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    (stream,) = _start_streams(server.base_url, body, 1)
+    server.proc.send_signal(signal.SIGTERM)
+    stream.join(60)
+    assert stream.error is None
+    assert stream.events[-1] == "[DONE]"
+    error = json.loads(stream.events[-2])["error"]
+    assert error["code"] == "draining" and error["type"] == "service_unavailable_error"
+    assert server.proc.wait(30) == 0
