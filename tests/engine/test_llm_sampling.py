@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sits import LLM, SamplingParams
-from sits.core.errors import PromptTooLongError
+from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.request import Request
 from tests.engine.hf_reference import random_prompts
 
@@ -106,3 +106,20 @@ def test_request_that_can_never_fit_fails_at_once(moe_dir) -> None:
     assert {o.request_id for o in outputs} == {"ok"}
     with pytest.raises(PromptTooLongError):
         llm.generate({"prompt_token_ids": list(range(3, 200))}, SamplingParams(max_tokens=1))
+
+
+def test_token_ids_outside_vocabulary_are_rejected(llm: LLM, moe_dir) -> None:
+    vocab = _vocab(moe_dir)
+    for bad in (vocab, -1):
+        with pytest.raises(InvalidParameterError, match="vocabulary") as info:
+            llm.generate({"prompt_token_ids": [5, bad]}, SamplingParams(max_tokens=2))
+        assert info.value.param == "prompt"
+    out = llm.generate({"prompt_token_ids": [5, vocab - 1]}, SamplingParams(max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) <= 2
+
+
+def test_huge_seed_is_served(llm: LLM, moe_dir) -> None:
+    params = SamplingParams(temperature=1.0, seed=2**70, max_tokens=4, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0].token_ids
+    assert len(first) == 4 and first == again

@@ -118,7 +118,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
         )
         for child in children:
-            self.engine_core.check_request(child.num_prompt_tokens, child.max_tokens)
+            self.engine_core.check_request(child.prompt_token_ids, child.max_tokens)
         self._loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._processor.add_request(

@@ -50,15 +50,23 @@ class EngineCore:
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise at once if a request can never be served.
 
         Raises:
-            InvalidParameterError: the prompt is empty.
+            InvalidParameterError: the prompt is empty or holds a token id outside the
+                vocabulary.
             PromptTooLongError: prompt + max_tokens exceeds max_model_len or the whole KV cache.
         """
+        num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
             raise InvalidParameterError("prompt", "prompt must contain at least one token")
+        vocab_size = self.runner.model.arch.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+            raise InvalidParameterError(
+                "prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
         limit = self.info.max_model_len
         if num_prompt_tokens + max_tokens > limit:
             raise PromptTooLongError(
@@ -76,7 +84,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (raises like `check_request` when it can never fit)."""
-        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        self.check_request(request.prompt_token_ids, request.max_tokens)
         self.scheduler.add_request(request)
 
     def finish_requests(

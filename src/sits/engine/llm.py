@@ -137,7 +137,7 @@ class LLM:
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
             for child in children:  # validate everything before queueing anything
-                core.check_request(child.num_prompt_tokens, child.max_tokens)
+                core.check_request(child.prompt_token_ids, child.max_tokens)
             batches.append((request_id, prompt, ids, params, children))
         finished: dict[str, RequestOutput] = {}
         for request_id, prompt, ids, params, children in batches:
