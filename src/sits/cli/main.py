@@ -13,11 +13,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The `sits` argument parser with every subcommand."""
     from sits.cli.generate import add_generate_parser
     from sits.cli.serve import add_serve_parser
+    from sits.cli.tenants import add_tenants_parser
 
     parser = argparse.ArgumentParser(prog="sits", description="multi-tenant LLM serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
+    add_tenants_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,243 @@
+"""Overload state (green / yellow / red) with hysteresis, and the admission policy per state.
+
+Signals (plain numbers, measured by the caller each step or on a timer):
+- queue_delay_s: how long the oldest waiting request has waited;
+- kv_usage: used fraction of KV blocks, 0..1;
+- ttft_ratio: predicted TTFT of the queued work / the tightest TTFT SLO among tenants (ignored
+  when no tenant has a TTFT SLO).
+Each signal is compared with a yellow and a red threshold; the raw level is the worst signal.
+
+State rules (`OverloadMonitor.update`):
+- step up at once, possibly green -> red, when the raw level is above the state;
+- step down one level (red -> yellow -> green) only after every signal has stayed below
+  `exit_ratio` x the current level's thresholds for `hold_s` seconds without a break; the hold
+  restarts after each step down and whenever a signal climbs back over the exit level.
+
+Admission rules (`OverloadPolicy.admit`); "over quota" means new work would use borrowed
+capacity (the tenant holds at least its reserved share); best_effort is always over quota:
+
+    state   within reservation   over quota (best_effort, borrowing burstable or guaranteed)
+    green   admit                admit
+    yellow  admit                defer (accept, but start it only once green: borrowing stops)
+    red     admit                shed: HTTP 503 + Retry-After (shed_retry_after_s)
+
+So a guaranteed tenant within its reservation is never deferred or shed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from sits.admission.clock import Clock, SystemClock
+from sits.core.errors import InvalidParameterError
+from sits.tenancy.config import Tier
+
+# Response header carrying the state ("green" | "yellow" | "red").
+OVERLOAD_HEADER = "x-sits-overload-state"
+
+
+class OverloadState(Enum):
+    """Server load level; `severity` orders them (0 green, 1 yellow, 2 red)."""
+
+    GREEN = "green"
+    YELLOW = "yellow"
+    RED = "red"
+
+    @property
+    def severity(self) -> int:
+        """0 for green, 1 for yellow, 2 for red."""
+        return _SEVERITY[self]
+
+
+_SEVERITY = {OverloadState.GREEN: 0, OverloadState.YELLOW: 1, OverloadState.RED: 2}
+_BY_SEVERITY = (OverloadState.GREEN, OverloadState.YELLOW, OverloadState.RED)
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadThresholds:
+    """Thresholds of the overload monitor (a signal >= threshold reaches that level).
+
+    Attributes:
+        yellow_queue_delay_s, red_queue_delay_s: oldest waiting request's wait, seconds.
+        yellow_kv_usage, red_kv_usage: used fraction of KV blocks, in (0, 1].
+        yellow_ttft_ratio, red_ttft_ratio: predicted TTFT of queued work / tightest TTFT SLO.
+        exit_ratio: in (0, 1]; to step down, every signal must be < exit_ratio x the current
+            level's threshold.
+        hold_s: seconds the signals must stay under the exit levels before one step down.
+
+    Raises:
+        InvalidParameterError: a threshold <= 0, yellow > red, kv over 1, exit_ratio outside
+            (0, 1], or hold_s < 0.
+    """
+
+    yellow_queue_delay_s: float = 1.0
+    red_queue_delay_s: float = 5.0
+    yellow_kv_usage: float = 0.90
+    red_kv_usage: float = 0.98
+    yellow_ttft_ratio: float = 1.0
+    red_ttft_ratio: float = 2.0
+    exit_ratio: float = 0.8
+    hold_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for kind in ("queue_delay_s", "kv_usage", "ttft_ratio"):
+            yellow = getattr(self, f"yellow_{kind}")
+            red = getattr(self, f"red_{kind}")
+            if not (0 < yellow <= red and math.isfinite(red)):
+                raise InvalidParameterError(
+                    f"red_{kind}", f"need 0 < yellow_{kind} <= red_{kind}, got {yellow}, {red}"
+                )
+        if self.red_kv_usage > 1:
+            raise InvalidParameterError("red_kv_usage", f"must be <= 1, got {self.red_kv_usage}")
+        if not 0 < self.exit_ratio <= 1:
+            raise InvalidParameterError("exit_ratio", f"must be in (0, 1], got {self.exit_ratio}")
+        if not self.hold_s >= 0:
+            raise InvalidParameterError("hold_s", f"must be >= 0, got {self.hold_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadSignals:
+    """One measurement of the load.
+
+    Attributes:
+        queue_delay_s: seconds the oldest waiting request has waited (0 if none waits).
+        kv_usage: used fraction of KV blocks, 0..1.
+        predicted_ttft_s: predicted seconds until the queued work gets its first token.
+        min_ttft_slo_s: tightest TTFT SLO in seconds (e.g. `TenantsConfig.min_ttft_ms / 1000`);
+            None disables the TTFT signal.
+    """
+
+    queue_delay_s: float = 0.0
+    kv_usage: float = 0.0
+    predicted_ttft_s: float = 0.0
+    min_ttft_slo_s: float | None = None
+
+    @property
+    def ttft_ratio(self) -> float:
+        """predicted_ttft_s / min_ttft_slo_s (0 without an SLO)."""
+        if not self.min_ttft_slo_s:
+            return 0.0
+        return self.predicted_ttft_s / self.min_ttft_slo_s
+
+
+def classify(
+    signals: OverloadSignals, thresholds: OverloadThresholds, scale: float = 1.0
+) -> OverloadState:
+    """The worst level any signal reaches against thresholds multiplied by `scale`."""
+    t = thresholds
+    pairs = (
+        (signals.queue_delay_s, t.yellow_queue_delay_s, t.red_queue_delay_s),
+        (signals.kv_usage, t.yellow_kv_usage, t.red_kv_usage),
+        (signals.ttft_ratio, t.yellow_ttft_ratio, t.red_ttft_ratio),
+    )
+    level = 0
+    for value, yellow, red in pairs:
+        if value >= red * scale:
+            return OverloadState.RED
+        if value >= yellow * scale:
+            level = 1
+    return _BY_SEVERITY[level]
+
+
+class OverloadMonitor:
+    """The overload state machine (rules in the module docstring).
+
+    Args:
+        thresholds: levels, exit ratio and hold time.
+        clock: time source (default `SystemClock`).
+    """
+
+    def __init__(self, thresholds: OverloadThresholds | None = None, clock: Clock | None = None):
+        self.thresholds = thresholds or OverloadThresholds()
+        self._clock = clock or SystemClock()
+        self._state = OverloadState.GREEN
+        self._calm_since_s: float | None = None  # start of the current below-exit stretch
+        self._state_since_s = self._clock.monotonic()
+
+    @property
+    def state(self) -> OverloadState:
+        """The current state (as of the last `update`)."""
+        return self._state
+
+    @property
+    def state_since_s(self) -> float:
+        """Clock time when the current state was entered."""
+        return self._state_since_s
+
+    def update(self, signals: OverloadSignals) -> OverloadState:
+        """Feed one measurement; returns the (possibly new) state."""
+        now_s = self._clock.monotonic()
+        raw = classify(signals, self.thresholds)
+        if raw.severity > self._state.severity:
+            self._enter(raw, now_s)
+            return self._state
+        calm = classify(signals, self.thresholds, self.thresholds.exit_ratio)
+        if calm.severity >= self._state.severity:
+            self._calm_since_s = None
+            return self._state
+        if self._calm_since_s is None:
+            self._calm_since_s = now_s
+        if now_s - self._calm_since_s >= self.thresholds.hold_s:
+            self._enter(_BY_SEVERITY[self._state.severity - 1], now_s)
+            self._calm_since_s = now_s if calm.severity < self._state.severity else None
+        return self._state
+
+    def _enter(self, state: OverloadState, now_s: float) -> None:
+        self._state = state
+        self._state_since_s = now_s
+        self._calm_since_s = None
+
+
+class OverloadAction(Enum):
+    """What to do with a new request under the current load."""
+
+    ADMIT = "admit"
+    DEFER = "defer"  # accept, but start it only when the state is green again
+    SHED = "shed"  # refuse: HTTP 503 + Retry-After
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadDecision:
+    """Outcome of `OverloadPolicy.admit`.
+
+    Attributes:
+        action: admit, defer or shed.
+        retry_after_s: integer seconds >= 1 for SHED (the Retry-After header), else None.
+    """
+
+    action: OverloadAction
+    retry_after_s: int | None = None
+
+    @property
+    def admitted(self) -> bool:
+        """True unless shed (a deferred request is accepted)."""
+        return self.action is not OverloadAction.SHED
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadPolicy:
+    """Per-state admission by tier (table in the module docstring).
+
+    Attributes:
+        shed_retry_after_s: Retry-After of a shed request, >= 1 (default: the default hold
+            time, the earliest red can end).
+    """
+
+    shed_retry_after_s: int = 5
+
+    def __post_init__(self) -> None:
+        if self.shed_retry_after_s < 1:
+            raise InvalidParameterError(
+                "shed_retry_after_s", f"must be >= 1, got {self.shed_retry_after_s}"
+            )
+
+    def admit(self, state: OverloadState, tier: Tier, over_quota: bool) -> OverloadDecision:
+        """Decide for a request of a tenant of `tier` that is (or not) over its reservation."""
+        borrowing = over_quota or tier is Tier.BEST_EFFORT
+        if state is OverloadState.GREEN or not borrowing:
+            return OverloadDecision(OverloadAction.ADMIT)
+        if state is OverloadState.YELLOW:
+            return OverloadDecision(OverloadAction.DEFER)
+        return OverloadDecision(OverloadAction.SHED, self.shed_retry_after_s)
