@@ -36,6 +36,8 @@ def make_request(
     eos_token_id: int | None = None,
     prefix_leader_id: str | None = None,
     cache_salt: str | None = None,
+    tenant_id: str = "default",
+    priority: int = 0,
     **params: object,
 ) -> Request:
     """A request whose SamplingParams get `max_tokens` and any extra `params`."""
@@ -47,6 +49,8 @@ def make_request(
         arrival_time=arrival_time,
         max_tokens=max_tokens,
         cache_salt=cache_salt,
+        tenant_id=tenant_id,
+        priority=priority,
         prefix_leader_id=prefix_leader_id,
     )
 
@@ -91,3 +95,21 @@ def run_to_completion(
 def logprobs_of(token_id: int) -> TokenLogprobs:
     """A fixed TokenLogprobs entry for `token_id`."""
     return TokenLogprobs(token_ids=[token_id], logprobs=[-0.5], ranks=[1])
+
+
+def weighted_service(
+    scheduler: Scheduler, plan: StepPlan, w_prompt: float = 1.0, w_output: float = 2.0
+) -> dict[str, float]:
+    """Service a plan gives each tenant: w_prompt per prompt token computed + w_output per
+    sampled token (Sheng et al., OSDI 2024). Call before `update` (it reads the requests).
+
+    Only valid without preemption or prefix hits (then every prompt chunk is computed once).
+    """
+    service: dict[str, float] = {}
+    for scheduled in plan.scheduled:
+        request = scheduler.get_request(scheduled.request_id)
+        end = scheduled.start_position + scheduled.num_tokens
+        num_prompt = max(min(end, request.num_prompt_tokens) - scheduled.start_position, 0)
+        cost = w_prompt * num_prompt + w_output * scheduled.sample
+        service[request.tenant_id] = service.get(request.tenant_id, 0.0) + cost
+    return service

@@ -21,3 +21,14 @@ def test_sched_and_kvcache_import_no_device_code() -> None:
     modules = json.loads(out)
     assert "sits.sched.scheduler" in modules
     assert [m for m in modules if m.startswith(FORBIDDEN_PREFIXES)] == []
+
+
+def test_sched_imports_no_tenancy_engine_server_or_admission() -> None:
+    code = "import json, sys; import sits.sched; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    modules = json.loads(out)
+    assert "sits.sched.tenants" in modules and "sits.sched.policy" in modules
+    higher = ("sits.tenancy", "sits.engine", "sits.server", "sits.admission", "sits.runner")
+    assert [m for m in modules if m.startswith(higher)] == []

@@ -1,20 +1,107 @@
-"""`SchedulerConfig`: the immutable limits the scheduler enforces each step.
+"""Scheduler configuration: step limits, KV geometry and the tenants' scheduling policies.
 
-Invariants (checked at construction): every limit is >= 1 and the cache has at least one
-usable block besides the reserved null block 0.
+`SchedulerConfig` holds the immutable limits the scheduler enforces each step; `TenantPolicy`
+is one tenant's tier, reservation, fair-share weight, priority and SLOs as the scheduler sees
+them (the tenancy package owns the user-facing config; the engine maps it to these).
+
+Invariants (checked at construction): every limit is >= 1; the cache has at least one usable
+block besides the reserved null block 0; tenant ids are unique; a best-effort tenant reserves
+nothing; the reservations (in blocks and in sequence slots, see `reserved_amount`) fit in the
+cache and in `max_num_seqs`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import Enum
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
 
+_FRACTION_EPS = 1e-9  # float slack when summing reserved fractions (0.1 + 0.2 + 0.7 == 1)
+
+
+class TenantTier(Enum):
+    """What capacity a tenant may count on (values match tenants.toml's `tier`).
+
+    GUARANTEED: its reservation is always there: borrowers holding it are preempted.
+    BURSTABLE: a reservation nobody else may newly take while it needs it, plus borrowing.
+    BEST_EFFORT: idle capacity only (it reserves nothing).
+    """
+
+    GUARANTEED = "guaranteed"
+    BURSTABLE = "burstable"
+    BEST_EFFORT = "best_effort"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TenantPolicy:
+    """One tenant's scheduling policy.
+
+    Attributes:
+        tenant_id: matches `Request.tenant_id`.
+        tier: guaranteed | burstable | best_effort.
+        reserved_kv_fraction: share in [0, 1] of the usable KV blocks and of `max_num_seqs`
+            kept for this tenant (see `reserved_amount` for the rounding).
+        weight: > 0, fair-share weight against tenants of the same tier and priority.
+        priority: lower runs first (compared before fair share).
+        ttft_ms: time-to-first-token SLO in ms; a request's first-token deadline is
+            arrival_time + ttft. None: no deadline.
+        tpot_ms: time-per-output-token SLO in ms; the deadline of output token k (k >= 1)
+            adds k * tpot. None: counted as 0.
+
+    Raises:
+        InvalidParameterError: an empty id, a fraction outside [0, 1], a best-effort tenant
+            with a reservation, a weight <= 0 or an SLO <= 0 (`param` names the field).
+    """
+
+    tenant_id: str
+    tier: TenantTier = TenantTier.BEST_EFFORT
+    reserved_kv_fraction: float = 0.0
+    weight: float = 1.0
+    priority: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenant_id, str) or not self.tenant_id:
+            raise InvalidParameterError("tenant_id", "tenant_id must be a non-empty string")
+        if not isinstance(self.tier, TenantTier):
+            raise InvalidParameterError("tier", f"tier must be a TenantTier, got {self.tier!r}")
+        fraction = self.reserved_kv_fraction
+        if not (math.isfinite(fraction) and 0.0 <= fraction <= 1.0):
+            raise InvalidParameterError(
+                "reserved_kv_fraction", f"reserved_kv_fraction must be in [0, 1], got {fraction}"
+            )
+        if self.tier is TenantTier.BEST_EFFORT and fraction > 0:
+            raise InvalidParameterError(
+                "reserved_kv_fraction",
+                f"best_effort tenant {self.tenant_id!r} uses idle capacity only; "
+                "its reserved_kv_fraction must be 0",
+            )
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise InvalidParameterError("weight", f"weight must be > 0, got {self.weight}")
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InvalidParameterError(name, f"{name} must be > 0, got {value}")
+
+
+def reserved_amount(fraction: float, total: int) -> int:
+    """Units (blocks or sequence slots) a reserved fraction of `total` keeps.
+
+    floor(fraction * total), but at least 1 when fraction > 0 (a reservation that rounds to
+    nothing would silently break the tenant's guarantee).
+    """
+    if fraction <= 0:
+        return 0
+    return max(1, math.floor(fraction * total + _FRACTION_EPS))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
-    """Scheduler limits (vLLM engine-argument names).
+    """Scheduler limits (vLLM engine-argument names) and tenant policies.
 
     Attributes:
         max_num_batched_tokens: token budget of one step, prefill chunks and decodes together.
@@ -23,9 +110,16 @@ class SchedulerConfig:
         block_size: tokens per KV block.
         num_blocks: KV blocks in the cache, including the reserved null block 0.
         enable_prefix_caching: reuse cached KV blocks of identical prefixes.
+        tenants: tenant policies. Empty (the default): one first-come-first-served queue for
+            every request, whatever its tenant_id. Non-empty: tenant-aware scheduling, and a
+            request of an unknown tenant is refused.
+        vtc_prompt_weight: w_p, virtual-token-counter cost of one prompt token.
+        vtc_output_weight: w_q, cost of one output token (Sheng et al., OSDI 2024 use
+            w_p = 1, w_q = 2).
 
     Raises:
-        InvalidParameterError: a limit is < 1, or num_blocks < 2.
+        InvalidParameterError: a limit is < 1, num_blocks < 2, a VTC weight <= 0, duplicate
+            tenant ids, or reservations that do not fit ("tenants").
     """
 
     max_num_batched_tokens: int = 2048
@@ -34,6 +128,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int
     enable_prefix_caching: bool = True
+    tenants: tuple[TenantPolicy, ...] = ()
+    vtc_prompt_weight: float = 1.0
+    vtc_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
@@ -46,6 +143,31 @@ class SchedulerConfig:
                 f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks!r}; "
                 "give the KV cache more memory",
             )
+        for name in ("vtc_prompt_weight", "vtc_output_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidParameterError(name, f"{name} must be > 0, got {value}")
+        object.__setattr__(self, "tenants", tuple(self.tenants))
+        self._check_tenants()
+
+    def _check_tenants(self) -> None:
+        ids = [policy.tenant_id for policy in self.tenants]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise InvalidParameterError("tenants", f"duplicate tenant ids: {duplicates}")
+        fractions = [policy.reserved_kv_fraction for policy in self.tenants]
+        if sum(fractions) > 1.0 + _FRACTION_EPS:
+            raise InvalidParameterError(
+                "tenants", f"reserved_kv_fraction sums to {sum(fractions):g} > 1"
+            )
+        for name, total in (("KV blocks", self.num_usable_blocks), ("seqs", self.max_num_seqs)):
+            reserved = sum(reserved_amount(f, total) for f in fractions)
+            if reserved > total:
+                raise InvalidParameterError(
+                    "tenants",
+                    f"the reservations need {reserved} {name} (each non-zero reservation "
+                    f"keeps at least 1) but there are only {total}",
+                )
 
     @property
     def num_usable_blocks(self) -> int:
@@ -54,7 +176,12 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(
-        cls, config: EngineConfig, *, num_blocks: int, max_model_len: int
+        cls,
+        config: EngineConfig,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        tenants: tuple[TenantPolicy, ...] = (),
     ) -> SchedulerConfig:
         """Scheduler limits from the engine config plus what the runner measured.
 
@@ -62,6 +189,7 @@ class SchedulerConfig:
             config: the engine configuration (budget, max_num_seqs, block size, caching).
             num_blocks: KV blocks the runner allocated.
             max_model_len: the resolved context length (config value or the model's).
+            tenants: tenant policies (empty: plain FCFS).
         """
         return cls(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -70,4 +198,5 @@ class SchedulerConfig:
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            tenants=tenants,
         )

@@ -2,33 +2,48 @@
 
 One rule drives every step (as in vLLM v1): each request's computed tokens catch up with its
 total tokens (prompt + outputs), a prefill chunk or a decode alike, within
-`max_num_batched_tokens`. Running requests are served first in their running order, then
-waiting requests first-come-first-served while the budget, `max_num_seqs` and free KV blocks
-allow. When a running request cannot get blocks, the latest-arrived running request not yet
-scheduled this step is preempted by recompute (its blocks freed, its outputs kept) and put at
-the front of the waiting queue.
+`max_num_batched_tokens`. A step has three phases:
+1. reclaim (tenant-aware mode only): a guaranteed tenant whose waiting work needs its unused
+   reservation while borrowers hold it preempts those borrowers (recompute), so it gets its
+   reservation back in the step it asks for it;
+2. running requests, in admission order (tenant-aware: tenants within their reservation
+   first, then by tier and priority); a request that cannot get blocks preempts victims
+   (`policy.victim_key`) until it fits or is itself the victim;
+3. waiting requests, one at a time from `policy`'s order (FCFS without tenants; tier,
+   priority, virtual token counter and EDF with tenants), while the budget, the sequence
+   slots and the blocks each tenant may take (`tenants.TenantBook`) allow.
+
+Without configured tenants this is plain FCFS: a preempted request goes to the front of the
+queue, a request that does not fit stops admission (no later one jumps ahead), and the victim
+is the latest-arrived running request not yet scheduled in the step.
 
 Invariants:
 - Every decision is a pure function of the scheduler's state (no clocks, no randomness), so the
   same inputs give the same plans (identical across TP ranks, testable exactly on CPU).
-- A request is in exactly one of: waiting queue, running list, or finished (dropped).
+- A request is in exactly one of: its tenant's waiting queue, the running list, or finished
+  (dropped).
 - Running requests hold KV blocks for all their computed tokens; waiting ones hold none.
 - Blocks of a step's tokens enter the prefix cache in `update`, after they are computed.
 - A step's scheduled tokens sum to at most `max_num_batched_tokens`; a request sampled in a
   step is one whose computed tokens reach all its tokens.
+- After a step that preempted, or once a waiting request did not fit, only admissions within
+  the admitted tenant's own reservation happen in that step (nobody borrows past it).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, TokenLogprobs
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats, cdiv
-from sits.sched.config import SchedulerConfig
+from sits.sched.checks import check_stop, validate_request
+from sits.sched.config import SchedulerConfig, TenantTier
+from sits.sched.policy import edf_key, running_order_key, victim_key
+from sits.sched.tenants import TenantBook, TenantSchedStats, TenantState
 
 
 @dataclass(slots=True)
@@ -40,36 +55,15 @@ class _StepState:
     scheduled_ids: set[str] = field(default_factory=set)
     new_requests: list[NewRequestData] = field(default_factory=list)
     num_preempted: int = 0
-
-
-def check_stop(request: Request, max_model_len: int) -> tuple[FinishReason, int | None] | None:
-    """Stop check after a token was appended to `request`.
-
-    Order: a stop token id, then EOS (unless `ignore_eos`) -- both only once
-    `num_output_tokens >= min_tokens` -- then the length limits (`max_tokens` outputs or
-    `max_model_len` tokens in all).
-
-    Returns:
-        (FinishReason.STOP, the stop token id) for a stop token, (STOP, None) for EOS,
-        (LENGTH, None) at a limit, or None to keep going.
-    """
-    params = request.sampling_params
-    token_id = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP, token_id
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            return FinishReason.STOP, None
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH, None
-    return None
+    deferred_ids: set[str] = field(default_factory=set)  # siblings waiting for their leader
+    blocked_tenant_ids: set[str] = field(default_factory=set)  # next request did not fit
 
 
 class Scheduler:
-    """Continuous-batching scheduler over a paged KV cache with prefix caching.
+    """Continuous-batching scheduler over a paged KV cache with prefix caching and tenants.
 
     Args:
-        config: step limits and KV cache geometry.
+        config: step limits, KV cache geometry and tenant policies (none: plain FCFS).
 
     Typical step: `plan = schedule()`; the runner computes it; `outputs = update(plan,
     result)`. Between steps, `add_request` and `finish_requests` (aborts, stop strings).
@@ -80,10 +74,11 @@ class Scheduler:
         self.kv = KVCacheManager(
             config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        self._book = TenantBook(config)
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._arrival_seq: dict[str, int] = {}  # add order, the tie-break of arrival_time
         self._next_arrival_seq = 0
-        self._waiting: deque[Request] = deque()
+        self._num_prompt_charged: dict[str, int] = {}  # prompt tokens already charged (VTC)
         self._running: list[Request] = []
         self._known_to_runner: set[str] = set()  # sent in StepPlan.new_requests, not finished
         self._finished_ids: list[str] = []  # finished since the last schedule(), runner knew
@@ -91,21 +86,29 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request (status WAITING) at the back of the waiting queue.
+        """Queue a new request (status WAITING) in its tenant's waiting queue.
 
         Raises:
-            InvalidParameterError: empty prompt ("prompt"), negative max_tokens, or a request
-                id already in use ("request_id").
+            InvalidParameterError: empty prompt ("prompt"), negative max_tokens, a request
+                id already in use ("request_id"), or, with tenants configured, a tenant_id
+                that is not one of them ("tenant_id").
             PromptTooLongError: prompt + max_tokens exceeds max_model_len, or needs more KV
                 blocks than the whole cache holds (it could never run).
         """
-        self._validate(request)
+        if request.request_id in self._requests:
+            raise InvalidParameterError(
+                "request_id", f"request id {request.request_id!r} is already in use"
+            )
+        validate_request(request, self.config)
+        tenant = self._book.tenant_of(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        self._requests[request.request_id] = request
-        self._arrival_seq[request.request_id] = self._next_arrival_seq
+        request_id = request.request_id
+        self._requests[request_id] = request
+        self._arrival_seq[request_id] = self._next_arrival_seq
         self._next_arrival_seq += 1
-        self._waiting.append(request)
+        self._num_prompt_charged[request_id] = 0
+        self._book.push_waiting(tenant, request, self._queue_key(request, tenant))
 
     def finish_requests(
         self,
@@ -141,11 +144,12 @@ class Scheduler:
         return bool(self._requests)
 
     def waiting_request_ids(self) -> list[str]:
-        """Waiting request ids in queue order (front first)."""
-        return [r.request_id for r in self._waiting]
+        """Waiting request ids in service order: tenants by `tenant_order_key` as they stand
+        now, each tenant's queue front first (without tenants: the FCFS queue)."""
+        return [r.request_id for t in self._book.backlogged() for r in t.queue]
 
     def running_request_ids(self) -> list[str]:
-        """Running request ids in running (batch) order."""
+        """Running request ids in running (admission) order."""
         return [r.request_id for r in self._running]
 
     @property
@@ -154,7 +158,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._book.num_waiting
 
     @property
     def num_preemptions(self) -> int:
@@ -185,18 +189,34 @@ class Scheduler:
         """Forget all cached prefixes; False (no change) while any request holds blocks."""
         return self.kv.reset_prefix_cache()
 
+    # ------------------------------------------------------------------------------ tenants
+    def tenant_stats(self) -> dict[str, TenantSchedStats]:
+        """Per-tenant numbers for metrics, by tenant id in config order (empty without
+        configured tenants)."""
+        return self._book.stats()
+
+    def set_borrowing_tiers(self, tiers: Iterable[TenantTier]) -> None:
+        """Tiers whose tenants may start new work beyond their own reservation (default: all).
+
+        For overload control: e.g. `{GUARANTEED}` in a yellow state makes best-effort work
+        wait and stops burstable borrowing; running requests keep going. No effect without
+        configured tenants.
+        """
+        self._book.set_borrowing_tiers(tiers)
+
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
-        """Decide this step's work: running requests first, then waiting ones (FCFS).
+        """Decide this step's work: reclaim reservations, running requests, then waiting ones.
 
         Returns:
             The plan: scheduled requests in batch order, requests new to the runner, and the
             ids of requests finished since the last call that the runner had been sent.
         """
         step = _StepState(token_budget=self.config.max_num_batched_tokens)
+        if self._book.fair:
+            self._reclaim_reservations(step)
         self._schedule_running(step)
-        if step.num_preempted == 0:  # short of blocks: admitting more would only thrash
-            self._schedule_waiting(step)
+        self._schedule_waiting(step)
         finished_ids, self._finished_ids = self._finished_ids, []
         return StepPlan(
             scheduled=step.scheduled,
@@ -204,8 +224,42 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
+    def _reclaim_reservations(self, step: _StepState) -> None:
+        """Guaranteed tenants with waiting work take back reserved blocks/slots from borrowers.
+
+        Victims are running requests of OTHER tenants holding more blocks (resp. slots) than
+        their own reservation, largest `victim_key` first, until the guaranteed tenant's
+        protected need is free for it or no such borrower is left.
+        """
+        book = self._book
+        for g in book.backlogged():
+            if g.policy.tier is not TenantTier.GUARANTEED:
+                continue
+            while book.block_shortfall(g, self.kv.num_free_blocks) > 0:
+                if not self._preempt_one(
+                    step, lambda t, g=g: t is not g and t.blocks_used > t.reserved_blocks
+                ):
+                    break
+            while book.seq_shortfall(g) > 0:
+                if not self._preempt_one(
+                    step, lambda t, g=g: t is not g and t.num_running > t.reserved_seqs
+                ):
+                    break
+
+    def _preempt_one(self, step: _StepState, among: Callable[[TenantState], bool]) -> bool:
+        """Preempt the best victim whose tenant satisfies `among`; False if there is none."""
+        victim = self._pick_victim(step, among)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        step.num_preempted += 1
+        return True
+
     def _schedule_running(self, step: _StepState) -> None:
-        for request in list(self._running):
+        running = self._running
+        if self._book.fair:
+            running = sorted(running, key=lambda r: running_order_key(self._tenant(r)))
+        for request in list(running):
             if step.token_budget == 0:
                 return
             if request.status is not RequestStatus.RUNNING:
@@ -220,48 +274,124 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _StepState) -> bool:
         """Get blocks for a running request, preempting victims until it fits.
 
+        Victims come from tenants holding blocks beyond their reservation and the request's
+        own tenant (so the request itself is always a candidate), largest `victim_key` first.
+
         Returns:
             True when allocated; False when the request itself was preempted.
         """
-        while not self.kv.allocate_slots(request, num_new_tokens):
-            victim = self._pick_victim(step)
+        tenant = self._tenant(request)
+        while not self._try_allocate(request, tenant, num_new_tokens, [], False):
+            # Victims: block borrowers, or the requester's own tenant (never another tenant
+            # within its reserved blocks).
+            victim = self._pick_victim(
+                step, lambda t: t is tenant or t.blocks_used > t.reserved_blocks
+            )
+            assert victim is not None, "the request asking for blocks is always a candidate"
             self._preempt(victim)
             step.num_preempted += 1
             if victim is request:
                 return False
         return True
 
-    def _pick_victim(self, step: _StepState) -> Request:
-        """The latest-arrived running request not scheduled in this step."""
-        candidates = [r for r in self._running if r.request_id not in step.scheduled_ids]
-        assert candidates, "the request asking for blocks is always a candidate"
-        return max(candidates, key=lambda r: (r.arrival_time, self._arrival_seq[r.request_id]))
+    def _try_allocate(
+        self,
+        request: Request,
+        tenant: TenantState,
+        num_new_tokens: int,
+        hit_block_ids: list[int],
+        within_reservation: bool,
+    ) -> bool:
+        """Allocate the request's blocks if its tenant may take them now; False: unchanged."""
+        num_blocks = self._num_blocks_to_take(request, num_new_tokens, hit_block_ids)
+        free = self.kv.num_free_blocks
+        if not self._book.may_take_blocks(tenant, num_blocks, free, within_reservation):
+            return False
+        num_held = len(self.kv.get_block_ids(request.request_id))
+        allocated = self.kv.allocate_slots(request, num_new_tokens, hit_block_ids)
+        assert allocated, (request.request_id, num_blocks, free)
+        self._book.add_blocks(tenant, self.kv.get_block_ids(request.request_id)[num_held:])
+        return True
+
+    def _num_blocks_to_take(
+        self, request: Request, num_new_tokens: int, hit_block_ids: list[int]
+    ) -> int:
+        """Free-pool blocks `kv.allocate_slots` would take (new blocks + free prefix hits)."""
+        block_size = self.config.block_size
+        num_held = len(hit_block_ids) + len(self.kv.get_block_ids(request.request_id))
+        num_total_tokens = (
+            request.num_computed_tokens + len(hit_block_ids) * block_size + num_new_tokens
+        )
+        num_new_blocks = max(cdiv(num_total_tokens, block_size) - num_held, 0)
+        pool = self.kv.pool
+        return num_new_blocks + sum(1 for b in hit_block_ids if pool.ref_count(b) == 0)
+
+    def _pick_victim(
+        self, step: _StepState, among: Callable[[TenantState], bool] | None = None
+    ) -> Request | None:
+        """The running request not scheduled in this step with the largest `victim_key`."""
+        candidates = [
+            r
+            for r in self._running
+            if r.request_id not in step.scheduled_ids and (among is None or among(self._tenant(r)))
+        ]
+        if not candidates:
+            return None
+        fair = self._book.fair
+        return max(
+            candidates,
+            key=lambda r: victim_key(r, self._tenant(r), self._arrival_seq[r.request_id], fair),
+        )
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free blocks, keep outputs, go to the front of the queue."""
-        self.kv.free(request)
+        """Preempt by recompute: free blocks, keep outputs, back to its tenant's queue (FCFS:
+        its front)."""
+        tenant = self._tenant(request)
+        self._release(request, tenant)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
+        tenant.num_preemptions += 1
         self._running.remove(request)
-        self._waiting.appendleft(request)
+        key = self._queue_key(request, tenant)
+        self._book.push_waiting(tenant, request, key, preempted=True)
+
+    def _release(self, request: Request, tenant: TenantState) -> None:
+        """Free a running request's blocks and its tenant's slot."""
+        block_ids = list(self.kv.get_block_ids(request.request_id))
+        self.kv.free(request)
+        self._book.stop_running(tenant, block_ids)
 
     def _schedule_waiting(self, step: _StepState) -> None:
-        deferred: list[Request] = []  # siblings waiting for their prefix leader
-        while (
-            self._waiting
-            and step.token_budget > 0
-            and len(self._running) < self.config.max_num_seqs
-        ):
-            request = self._waiting[0]
+        """Admit waiting requests in policy order while the budget and capacity allow.
+
+        A tenant whose next request does not fit is done for the step, and from then on
+        (as after any preemption) others may only take capacity within their reservation,
+        unless it failed only because its tier may not borrow (`set_borrowing_tiers`).
+        """
+        closed = step.num_preempted > 0  # short of blocks: borrowing would only thrash
+        while step.token_budget > 0:
+            picked = self._next_waiting(step)
+            if picked is None:
+                return
+            tenant, request = picked
             if self._waits_for_leader(request):
-                deferred.append(self._waiting.popleft())
+                step.deferred_ids.add(request.request_id)
+            elif not self._admit(request, tenant, step, closed):
+                step.blocked_tenant_ids.add(tenant.tenant_id)
+                # A real shortage (not a tenant barred from borrowing) stops borrowing.
+                closed = closed or self._book.may_borrow(tenant)
+
+    def _next_waiting(self, step: _StepState) -> tuple[TenantState, Request] | None:
+        """The next waiting request to try: first tenant in order, its first request."""
+        for tenant in self._book.backlogged():
+            if tenant.tenant_id in step.blocked_tenant_ids:
                 continue
-            if not self._admit(request, step):
-                break  # FCFS: no later request jumps ahead when blocks run out
-            self._waiting.popleft()
-        self._waiting.extendleft(reversed(deferred))
+            for request in tenant.queue:
+                if request.request_id not in step.deferred_ids:
+                    return tenant, request
+        return None
 
     def _waits_for_leader(self, request: Request) -> bool:
         """True while the request's prefix leader is alive and has not computed its prompt."""
@@ -272,12 +402,19 @@ class Scheduler:
             return False
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
-    def _admit(self, request: Request, step: _StepState) -> bool:
-        """Move a waiting request to running with its prefix hits; False if no blocks."""
+    def _admit(self, request: Request, tenant: TenantState, step: _StepState, closed: bool) -> bool:
+        """Move a waiting request to running with its prefix hits; False if it may not."""
+        within_reservation = closed or not self._book.may_borrow(tenant)
+        if not self._book.may_take_seq(tenant, within_reservation):
+            return False
         hit_block_ids, num_cached_tokens = self.kv.get_computed_blocks(request)
         num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
-        if not self.kv.allocate_slots(request, num_new_tokens, hit_block_ids):
+        if not self._try_allocate(
+            request, tenant, num_new_tokens, hit_block_ids, within_reservation
+        ):
             return False
+        self._book.remove_waiting(tenant, request)
+        self._book.start_running(tenant)
         request.num_computed_tokens = num_cached_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached_tokens
@@ -289,18 +426,20 @@ class Scheduler:
     def _add_to_step(self, request: Request, num_new_tokens: int, step: _StepState) -> None:
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        sample = end == request.num_tokens and request.max_tokens > 0
         step.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
                 start_position=start,
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
-                sample=end == request.num_tokens and request.max_tokens > 0,
+                sample=sample,
                 output_token_ids=request.output_token_ids,
             )
         )
         step.scheduled_ids.add(request.request_id)
         step.token_budget -= num_new_tokens
+        self._charge(request, start, end, sample)
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
             step.new_requests.append(
@@ -310,6 +449,23 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                 )
             )
+
+    def _charge(self, request: Request, start: int, end: int, sample: bool) -> None:
+        """Charge the tenant for prompt tokens computed the first time and a sampled token.
+
+        Prompt tokens served by the prefix cache or recomputed after a preemption are free.
+        """
+        charged = self._num_prompt_charged[request.request_id]
+        prompt_end = min(end, request.num_prompt_tokens)
+        num_prompt = max(prompt_end - max(start, charged), 0)
+        self._num_prompt_charged[request.request_id] = max(charged, prompt_end)
+        self._book.charge(self._tenant(request), num_prompt, int(sample))
+
+    def _tenant(self, request: Request) -> TenantState:
+        return self._book.tenant_of(request)
+
+    def _queue_key(self, request: Request, tenant: TenantState) -> tuple:
+        return edf_key(request, tenant.policy, self._arrival_seq[request.request_id])
 
     # ------------------------------------------------------------------------------- update
     def update(self, plan: StepPlan, result: StepResult) -> list[EngineCoreOutput]:
@@ -365,21 +521,26 @@ class Scheduler:
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None
     ) -> None:
-        """Mark finished and free its blocks; `_drop_finished` removes it from the queues."""
+        """Mark finished and free its blocks; `_drop_finished` removes it from the running list
+        (a waiting request leaves its queue here)."""
+        tenant = self._tenant(request)
+        if request.status is RequestStatus.RUNNING:
+            self._release(request, tenant)
+        else:
+            self.kv.free(request)  # holds no blocks, but drops its cached hashes
+            self._book.remove_waiting(tenant, request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self.kv.free(request)
         del self._requests[request.request_id]
         del self._arrival_seq[request.request_id]
+        del self._num_prompt_charged[request.request_id]
         if request.request_id in self._known_to_runner:
             self._known_to_runner.remove(request.request_id)
             self._finished_ids.append(request.request_id)
 
     def _drop_finished(self) -> None:
         self._running = [r for r in self._running if not r.is_finished]
-        if any(r.is_finished for r in self._waiting):
-            self._waiting = deque(r for r in self._waiting if not r.is_finished)
 
     def _output(
         self,
@@ -397,33 +558,3 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
-
-    # ---------------------------------------------------------------------------- validate
-    def _validate(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise InvalidParameterError(
-                "request_id", f"request id {request.request_id!r} is already in use"
-            )
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise InvalidParameterError("prompt", "prompt must contain at least one token")
-        if request.max_tokens < 0:
-            raise InvalidParameterError(
-                "max_tokens", f"max_tokens must be >= 0, got {request.max_tokens}"
-            )
-        num_total_tokens = num_prompt_tokens + request.max_tokens
-        max_model_len = self.config.max_model_len
-        if num_total_tokens > max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {num_total_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{request.max_tokens} for max_tokens). Please reduce the prompt or max_tokens."
-            )
-        num_blocks = cdiv(num_total_tokens, self.config.block_size)
-        if num_blocks > self.kv.num_usable_blocks:
-            raise PromptTooLongError(
-                f"The request needs {num_total_tokens} tokens ({num_prompt_tokens} in the "
-                f"prompt, {request.max_tokens} for max_tokens) = {num_blocks} KV blocks of "
-                f"{self.config.block_size} tokens, but the KV cache holds only "
-                f"{self.kv.num_usable_blocks} blocks. Please reduce the prompt or max_tokens."
-            )

@@ -1,0 +1,67 @@
+"""Per-request checks of the scheduler: refusing requests that can never run, and stop rules.
+
+Pure functions of a request and the config (no scheduler state).
+"""
+
+from __future__ import annotations
+
+from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.request import FinishReason, Request
+from sits.kvcache.kv_manager import cdiv
+from sits.sched.config import SchedulerConfig
+
+
+def check_stop(request: Request, max_model_len: int) -> tuple[FinishReason, int | None] | None:
+    """Stop check after a token was appended to `request`.
+
+    Order: a stop token id, then EOS (unless `ignore_eos`) -- both only once
+    `num_output_tokens >= min_tokens` -- then the length limits (`max_tokens` outputs or
+    `max_model_len` tokens in all).
+
+    Returns:
+        (FinishReason.STOP, the stop token id) for a stop token, (STOP, None) for EOS,
+        (LENGTH, None) at a limit, or None to keep going.
+    """
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return FinishReason.STOP, None
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None
+
+
+def validate_request(request: Request, config: SchedulerConfig) -> None:
+    """Refuse a request that is malformed or could never run under `config`.
+
+    Raises:
+        InvalidParameterError: empty prompt ("prompt") or negative max_tokens ("max_tokens").
+        PromptTooLongError: prompt + max_tokens exceeds max_model_len, or needs more KV blocks
+            than the whole cache holds.
+    """
+    num_prompt_tokens = request.num_prompt_tokens
+    if num_prompt_tokens == 0:
+        raise InvalidParameterError("prompt", "prompt must contain at least one token")
+    if request.max_tokens < 0:
+        raise InvalidParameterError(
+            "max_tokens", f"max_tokens must be >= 0, got {request.max_tokens}"
+        )
+    num_total_tokens = num_prompt_tokens + request.max_tokens
+    max_model_len = config.max_model_len
+    if num_total_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_total_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{request.max_tokens} for max_tokens). Please reduce the prompt or max_tokens."
+        )
+    num_blocks = cdiv(num_total_tokens, config.block_size)
+    if num_blocks > config.num_usable_blocks:
+        raise PromptTooLongError(
+            f"The request needs {num_total_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {request.max_tokens} for max_tokens) = {num_blocks} KV blocks of "
+            f"{config.block_size} tokens, but the KV cache holds only "
+            f"{config.num_usable_blocks} blocks. Please reduce the prompt or max_tokens."
+        )

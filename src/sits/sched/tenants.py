@@ -1,0 +1,305 @@
+"""Per-tenant accounting: waiting queues, blocks and slots held, reservations, virtual counters.
+
+`TenantBook` is the scheduler's ledger of tenants. It answers the capacity questions the
+scheduler asks ("may tenant T take N more blocks / one more sequence slot now?", "how much of
+guaranteed tenant G's reservation is held by borrowers?") and keeps the virtual token counters
+of weighted fair sharing (VTC, Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024).
+
+Definitions, per tenant T with reservation R_T blocks and S_T sequence slots:
+- used_T: distinct KV blocks in T's running requests' tables; running_T: its running requests.
+- borrowing: used_T > R_T or running_T > S_T (it holds capacity beyond its own reservation).
+- protected_T = min(max(R_T - used_T, 0), demand_T): the part of T's unused reservation that
+  its waiting work needs now (demand_T = sum of ceil(num_tokens / block_size) over its
+  waiting requests); protected slots = min(max(S_T - running_T, 0), waiting_T). Others may
+  borrow T's unused reservation only beyond what is protected.
+- A request of T may take N blocks when N <= free blocks - sum of the other tenants'
+  protected blocks, and a slot when running + 1 <= max_num_seqs - the others' protected slots.
+  When borrowing is closed for T (a step that preempted, a higher-ordered tenant that found
+  no room, or T's tier barred by `set_borrowing_tiers`) it must also stay within its own
+  reservation: used_T + N <= R_T and running_T + 1 <= S_T.
+- Virtual counter c_T: grows by (w_p * prompt tokens computed for the first time + w_q *
+  output tokens) / weight_T when they are scheduled. When T becomes backlogged (its waiting
+  queue turns non-empty), c_T is lifted to the smallest counter of the backlogged tenants of
+  its group (same tier and priority), or, if none, to the counter of the group's tenant that
+  last left the backlog, so idle time is not banked as credit.
+
+Invariants: while no tenant holds blocks beyond its reservation, free blocks >= the sum of
+all protected blocks (the reservations fit in the cache), so a request within its tenant's
+reservation always fits.
+Without configured tenants a single implicit FIFO tenant with no reservation holds every
+request, which reproduces plain FCFS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sits.core.errors import InvalidParameterError
+from sits.core.request import Request
+from sits.kvcache.kv_manager import cdiv
+from sits.sched.config import SchedulerConfig, TenantPolicy, TenantTier, reserved_amount
+from sits.sched.policy import WaitingQueue, tenant_order_key
+
+FCFS_TENANT_ID = "*"  # the implicit tenant of a scheduler without configured tenants
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSchedStats:
+    """One tenant's scheduler numbers (for metrics).
+
+    Attributes:
+        num_running: requests holding KV blocks.
+        num_waiting: requests queued (new or preempted).
+        blocks_used: distinct KV blocks its running requests hold.
+        blocks_reserved: blocks its reservation keeps for it.
+        blocks_borrowed: max(blocks_used - blocks_reserved, 0).
+        seqs_reserved: sequence slots its reservation keeps for it.
+        virtual_counter: its weighted virtual token counter (service / weight).
+        tokens_served: prompt tokens computed (first time only) plus output tokens scheduled,
+            cumulative.
+        num_preemptions: its requests preempted so far, cumulative.
+    """
+
+    num_running: int
+    num_waiting: int
+    blocks_used: int
+    blocks_reserved: int
+    blocks_borrowed: int
+    seqs_reserved: int
+    virtual_counter: float
+    tokens_served: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class TenantState:
+    """Mutable per-tenant state (see the module docstring for the definitions)."""
+
+    policy: TenantPolicy
+    index: int  # position in the config: the last tie-break of every order
+    reserved_blocks: int
+    reserved_seqs: int
+    queue: WaitingQueue
+    num_running: int = 0
+    blocks_used: int = 0
+    block_refs: dict[int, int] = field(default_factory=dict)  # block id -> users in T
+    demand_blocks: int = 0
+    virtual_counter: float = 0.0
+    tokens_served: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def tenant_id(self) -> str:
+        return self.policy.tenant_id
+
+    @property
+    def group(self) -> tuple[TenantTier, int]:
+        """Tenants compared by fair share: same tier and priority."""
+        return self.policy.tier, self.policy.priority
+
+    @property
+    def is_borrowing(self) -> bool:
+        return self.blocks_used > self.reserved_blocks or self.num_running > self.reserved_seqs
+
+    @property
+    def over_share(self) -> float:
+        """Blocks held beyond the reservation per unit of weight (negative: under it)."""
+        return (self.blocks_used - self.reserved_blocks) / self.policy.weight
+
+    @property
+    def protected_blocks(self) -> int:
+        return min(max(self.reserved_blocks - self.blocks_used, 0), self.demand_blocks)
+
+    @property
+    def protected_seqs(self) -> int:
+        return min(max(self.reserved_seqs - self.num_running, 0), len(self.queue))
+
+    def stats(self) -> TenantSchedStats:
+        return TenantSchedStats(
+            num_running=self.num_running,
+            num_waiting=len(self.queue),
+            blocks_used=self.blocks_used,
+            blocks_reserved=self.reserved_blocks,
+            blocks_borrowed=max(self.blocks_used - self.reserved_blocks, 0),
+            seqs_reserved=self.reserved_seqs,
+            virtual_counter=self.virtual_counter,
+            tokens_served=self.tokens_served,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+class TenantBook:
+    """All tenants' queues, usage, reservations and virtual counters.
+
+    Args:
+        config: the scheduler config; `config.tenants` empty gives one implicit FIFO tenant.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.fair = bool(config.tenants)
+        self._block_size = config.block_size
+        self._max_num_seqs = config.max_num_seqs
+        self._w_prompt = config.vtc_prompt_weight
+        self._w_output = config.vtc_output_weight
+        policies = config.tenants or (TenantPolicy(tenant_id=FCFS_TENANT_ID),)
+        self.tenants: dict[str, TenantState] = {}
+        for index, policy in enumerate(policies):
+            fraction = policy.reserved_kv_fraction
+            self.tenants[policy.tenant_id] = TenantState(
+                policy=policy,
+                index=index,
+                reserved_blocks=reserved_amount(fraction, config.num_usable_blocks),
+                reserved_seqs=reserved_amount(fraction, config.max_num_seqs),
+                queue=WaitingQueue(fifo=not self.fair),
+            )
+        self.num_running = 0
+        self._borrowing_tiers = frozenset(TenantTier)
+        self._last_left_counter: dict[tuple[TenantTier, int], float] = {}
+        self._demand_of: dict[str, int] = {}  # waiting request id -> its demand_blocks share
+
+    # ------------------------------------------------------------------------------ lookup
+    def tenant_of(self, request: Request) -> TenantState:
+        """The request's tenant (the implicit one without configured tenants).
+
+        Raises:
+            InvalidParameterError: tenants are configured and `request.tenant_id` is not one.
+        """
+        if not self.fair:
+            return self.tenants[FCFS_TENANT_ID]
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None:
+            raise InvalidParameterError(
+                "tenant_id", f"unknown tenant {request.tenant_id!r} (not in the scheduler config)"
+            )
+        return tenant
+
+    def backlogged(self) -> list[TenantState]:
+        """Tenants with waiting requests, in service order (`tenant_order_key`)."""
+        return sorted((t for t in self.tenants.values() if len(t.queue)), key=tenant_order_key)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(t.queue) for t in self.tenants.values())
+
+    # ---------------------------------------------------------------------- waiting queues
+    def push_waiting(
+        self, tenant: TenantState, request: Request, key: tuple, *, preempted: bool = False
+    ) -> None:
+        """Queue a request; lift the tenant's counter if it becomes backlogged."""
+        if not len(tenant.queue):
+            self._lift_counter(tenant)
+        tenant.queue.push(request, key, preempted=preempted)
+        demand = cdiv(request.num_tokens, self._block_size)
+        self._demand_of[request.request_id] = demand
+        tenant.demand_blocks += demand
+
+    def remove_waiting(self, tenant: TenantState, request: Request) -> None:
+        """Take a request out of the queue (admitted or finished while waiting)."""
+        tenant.queue.remove(request)
+        tenant.demand_blocks -= self._demand_of.pop(request.request_id)
+        if not len(tenant.queue):
+            self._last_left_counter[tenant.group] = tenant.virtual_counter
+
+    def _lift_counter(self, tenant: TenantState) -> None:
+        peers = [
+            t.virtual_counter
+            for t in self.tenants.values()
+            if t is not tenant and t.group == tenant.group and len(t.queue)
+        ]
+        floor = min(peers) if peers else self._last_left_counter.get(tenant.group, 0.0)
+        tenant.virtual_counter = max(tenant.virtual_counter, floor)
+
+    # ----------------------------------------------------------------------- usage ledger
+    def start_running(self, tenant: TenantState) -> None:
+        tenant.num_running += 1
+        self.num_running += 1
+
+    def stop_running(self, tenant: TenantState, block_ids: Iterable[int]) -> None:
+        """A running request of the tenant was preempted or finished; its blocks released."""
+        tenant.num_running -= 1
+        self.num_running -= 1
+        self.release_blocks(tenant, block_ids)
+
+    def add_blocks(self, tenant: TenantState, block_ids: Iterable[int]) -> None:
+        """Blocks newly added to one of the tenant's block tables."""
+        for block_id in block_ids:
+            count = tenant.block_refs.get(block_id, 0)
+            tenant.block_refs[block_id] = count + 1
+            tenant.blocks_used += count == 0
+
+    def release_blocks(self, tenant: TenantState, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            count = tenant.block_refs[block_id] - 1
+            if count:
+                tenant.block_refs[block_id] = count
+            else:
+                del tenant.block_refs[block_id]
+                tenant.blocks_used -= 1
+
+    def charge(self, tenant: TenantState, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Account service scheduled for the tenant (tokens and its virtual counter)."""
+        tenant.tokens_served += num_prompt_tokens + num_output_tokens
+        cost = self._w_prompt * num_prompt_tokens + self._w_output * num_output_tokens
+        tenant.virtual_counter += cost / tenant.policy.weight
+
+    # -------------------------------------------------------------------------- capacity
+    def set_borrowing_tiers(self, tiers: Iterable[TenantTier]) -> None:
+        """Tiers whose tenants may take capacity beyond their own reservation."""
+        self._borrowing_tiers = frozenset(tiers)
+
+    def may_borrow(self, tenant: TenantState) -> bool:
+        """May the tenant's new requests go beyond its reservation (always without tenants)?"""
+        return not self.fair or tenant.policy.tier in self._borrowing_tiers
+
+    def blocks_available(self, tenant: TenantState, num_free_blocks: int) -> int:
+        """Free blocks the tenant may take: those not protected for another tenant."""
+        protected = sum(t.protected_blocks for t in self.tenants.values() if t is not tenant)
+        return num_free_blocks - protected
+
+    def seqs_available(self, tenant: TenantState) -> int:
+        """Sequence slots the tenant may take: those not protected for another tenant."""
+        protected = sum(t.protected_seqs for t in self.tenants.values() if t is not tenant)
+        return self._max_num_seqs - self.num_running - protected
+
+    def may_take_seq(self, tenant: TenantState, within_reservation: bool) -> bool:
+        """May the tenant start one more request now?
+
+        Args:
+            tenant: the tenant.
+            within_reservation: borrowing is closed: it must stay within its reserved slots.
+        """
+        if self.seqs_available(tenant) < 1:
+            return False
+        return not within_reservation or tenant.num_running + 1 <= tenant.reserved_seqs
+
+    def may_take_blocks(
+        self, tenant: TenantState, num_blocks: int, num_free_blocks: int, within_reservation: bool
+    ) -> bool:
+        """May the tenant take `num_blocks` free blocks now?
+
+        Args:
+            tenant: the tenant.
+            num_blocks: blocks the allocation would take from the free pool.
+            num_free_blocks: free blocks in the pool now.
+            within_reservation: borrowing is closed: it must stay within its reserved blocks.
+        """
+        if num_blocks > self.blocks_available(tenant, num_free_blocks):
+            return False
+        return not within_reservation or tenant.blocks_used + num_blocks <= tenant.reserved_blocks
+
+    def block_shortfall(self, tenant: TenantState, num_free_blocks: int) -> int:
+        """Blocks the tenant's protected reservation lacks: > 0 means borrowers hold them."""
+        return tenant.protected_blocks - self.blocks_available(tenant, num_free_blocks)
+
+    def seq_shortfall(self, tenant: TenantState) -> int:
+        """Sequence slots the tenant's protected reservation lacks: > 0 means borrowers hold
+        them."""
+        return tenant.protected_seqs - self.seqs_available(tenant)
+
+    def stats(self) -> dict[str, TenantSchedStats]:
+        """Per configured tenant (empty without configured tenants)."""
+        if not self.fair:
+            return {}
+        return {tenant_id: t.stats() for tenant_id, t in self.tenants.items()}
