@@ -11,7 +11,7 @@ from sits.cli.engine_args import add_engine_args, engine_kwargs
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `sits generate`."""
     p = subparsers.add_parser("generate", help="generate a completion for a prompt offline")
-    add_engine_args(p, model_required=True)
+    add_engine_args(p, model_required=False)
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -27,8 +27,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Load the model, generate for each prompt, print the text (or JSON)."""
     from sits import LLM, SamplingParams
+    from sits.demo import DEMO_MODEL_NAME, ensure_demo_model
 
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if kwargs["model"] in (None, DEMO_MODEL_NAME):  # no model: the built-in demo model
+        kwargs["model"] = ensure_demo_model()
+    llm = LLM(**kwargs)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,

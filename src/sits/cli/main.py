@@ -15,7 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sits.cli.serve import add_serve_parser
     from sits.cli.tenants import add_tenants_parser
 
+    from sits import __version__
+
     parser = argparse.ArgumentParser(prog="sits", description="multi-tenant LLM serving")
+    parser.add_argument("--version", action="version", version=f"sits {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)

@@ -7,6 +7,7 @@ users can switch without relearning. Validation happens at construction: an inva
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -14,6 +15,7 @@ from sits.core.errors import InvalidParameterError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit on samples per request
 
 
 class RequestOutputKind(Enum):
@@ -29,7 +31,8 @@ class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM names and defaults).
 
     Attributes:
-        n: number of samples returned for the prompt; samples share the prompt's KV blocks.
+        n: number of samples returned for the prompt (1..128); samples share the prompt's KV
+            blocks.
         temperature: 0 means greedy (argmax); otherwise logits are divided by it.
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -87,8 +90,8 @@ class SamplingParams:
         def bad(param: str, why: str) -> InvalidParameterError:
             return InvalidParameterError(param, f"{param} {why}")
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}.")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}.")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -135,4 +138,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (NaN and infinities are refused), not a bool."""
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    )

@@ -140,11 +140,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus else ""
+        phrase = _status_phrase(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else phrase
-        err = ServerError(exc.status_code, message or phrase, code=phrase.lower() or None)
+        code = phrase.lower().replace(" ", "_") or None
+        err = ServerError(exc.status_code, message or phrase, code=code)
         return error_response(err, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(to_server_error(exc))
+
+
+def _status_phrase(status_code: int) -> str:
+    """The HTTP reason phrase ("Not Found"), or "" for a non-standard code."""
+    try:
+        return HTTPStatus(status_code).phrase
+    except ValueError:
+        return ""
