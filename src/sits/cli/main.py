@@ -11,11 +11,10 @@ from sits.core.errors import SitsError
 
 def build_parser() -> argparse.ArgumentParser:
     """The `sits` argument parser with every subcommand."""
+    from sits import __version__
     from sits.cli.generate import add_generate_parser
     from sits.cli.serve import add_serve_parser
     from sits.cli.tenants import add_tenants_parser
-
-    from sits import __version__
 
     parser = argparse.ArgumentParser(prog="sits", description="multi-tenant LLM serving")
     parser.add_argument("--version", action="version", version=f"sits {__version__}")

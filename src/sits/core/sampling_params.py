@@ -139,6 +139,4 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     """A finite int or float (NaN and infinities are refused), not a bool."""
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    )
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
