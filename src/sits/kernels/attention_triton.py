@@ -1,0 +1,223 @@
+"""`TritonPagedAttention`: the GPU `AttentionBackend`, Triton twin of `TorchPagedAttention`.
+
+Each forward writes the step's K/V into the paged cache (`kv_write_triton`), then attends:
+- every sequence with exactly one new token goes to the decode kernel (GQA heads of a kv head
+  together, split-K over long contexts, `attention_decode_triton`);
+- every sequence with more goes to the prefill kernel (variable lengths, chunked prefill over
+  a cached prefix, causal, `attention_prefill_triton`).
+A pure decode batch launches only the decode kernel (and its combine kernel when split); a
+mixed batch launches both, each skipping the other's sequences on the device.
+
+Invariants:
+- Same contract as `attention_ref.TorchPagedAttention`: all K/V of the step are written before
+  any attention reads the cache; output [num_tokens, num_heads, head_dim] in the query dtype;
+  rows outside every sequence's new tokens (padding) are zero.
+- Only the metadata's CPU fields and tensor shapes drive host control flow: no device syncs,
+  so a decode step can be captured in a CUDA graph (fix `decode_num_splits` for capture, since
+  the heuristic reads max_seq_len).
+- Launch parameters live in one frozen `TritonAttentionConfig`; defaults aim at an H200 in
+  bfloat16 with head_dim 64/128 and block_size 16 (to be tuned by bench/kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from sits.core.errors import InvalidParameterError
+from sits.kernels.attention_decode_triton import triton_decode_attention
+from sits.kernels.attention_prefill_triton import triton_prefill_attention
+from sits.kernels.kv_write_triton import triton_write_kv
+from sits.kernels.triton_utils import cdiv, triton_runs_on
+
+if TYPE_CHECKING:  # a type only: kernels do not import layers at run time
+    from sits.layers.forward_context import AttentionMetadata
+
+H200_NUM_SMS = 132  # streaming multiprocessors of an H200 SXM (and an H100 SXM)
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionConfig:
+    """Launch parameters of the paged attention kernels.
+
+    Attributes:
+        prefill_block_m: rows per prefill tile (new tokens x padded GQA group heads).
+        prefill_block_n: key positions per prefill tile.
+        prefill_num_warps, prefill_num_stages: prefill launch parameters.
+        decode_block_n: key positions per decode tile.
+        decode_num_warps, decode_num_stages: decode launch parameters.
+        decode_num_splits: fixed split count of each decode context; None = `choose_num_splits`.
+        decode_target_programs: the heuristic splits until (seqs x kv heads x splits) reaches
+            this (about two programs per SM).
+        decode_min_split_tokens: the heuristic never makes a split shorter than this.
+        decode_max_splits: the heuristic's ceiling.
+        kv_write_num_warps: warps per token of the KV write kernel.
+
+    Raises:
+        InvalidParameterError: a block size that is not a power of two >= 16, or a count < 1.
+    """
+
+    prefill_block_m: int = 128
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 3
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    decode_num_splits: int | None = None
+    decode_target_programs: int = 2 * H200_NUM_SMS
+    decode_min_split_tokens: int = 256
+    decode_max_splits: int = 32
+    kv_write_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_block_m", "prefill_block_n", "decode_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise InvalidParameterError(name, f"{name} must be a power of two >= 16")
+        for name in (
+            "prefill_num_warps",
+            "prefill_num_stages",
+            "decode_num_warps",
+            "decode_num_stages",
+            "decode_target_programs",
+            "decode_min_split_tokens",
+            "decode_max_splits",
+            "kv_write_num_warps",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(name, f"{name} must be >= 1")
+        if self.decode_num_splits is not None and self.decode_num_splits < 1:
+            raise InvalidParameterError("decode_num_splits", "decode_num_splits must be >= 1")
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int, **overrides: object) -> TritonAttentionConfig:
+        """H200 defaults for a head size: fewer prefill warps for small heads."""
+        defaults: dict[str, object] = {"prefill_num_warps": 8 if head_dim > 64 else 4}
+        defaults.update(overrides)
+        return cls(**defaults)  # type: ignore[arg-type]
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, config: TritonAttentionConfig
+) -> int:
+    """Splits per decode context: enough programs to fill the GPU, none shorter than the minimum.
+
+    Returns config.decode_num_splits when set; otherwise
+    min(max_splits, ceil(target_programs / (num_seqs * num_kv_heads)),
+    ceil(max_seq_len / min_split_tokens)), at least 1.
+    """
+    if config.decode_num_splits is not None:
+        return config.decode_num_splits
+    num_programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = cdiv(config.decode_target_programs, num_programs)
+    by_length = cdiv(max(1, max_seq_len), config.decode_min_split_tokens)
+    return max(1, min(config.decode_max_splits, by_occupancy, by_length))
+
+
+def count_single_token_seqs(metadata: AttentionMetadata) -> int:
+    """Sequences of the step with exactly one new token (decodes), from the CPU fields."""
+    starts = metadata.query_start_loc_cpu
+    return sum(1 for begin, end in zip(starts, starts[1:]) if end - begin == 1)
+
+
+class TritonPagedAttention:
+    """The GPU `AttentionBackend`: Triton KV write, then Triton decode and/or prefill attention.
+
+    Args:
+        config: launch parameters; None = `TritonAttentionConfig()` (H200 defaults).
+    """
+
+    def __init__(self, config: TritonAttentionConfig | None = None) -> None:
+        self.config = config or TritonAttentionConfig()
+        self._checked_devices: set[torch.device] = set()
+        self._plan_metadata: AttentionMetadata | None = None  # last metadata seen
+        self._plan_num_single = 0  # its count of one-token sequences
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        """Write key/value at metadata.slot_mapping, then attend.
+
+        Args:
+            query: [num_tokens, num_heads, head_dim], contiguous last dimension.
+            key, value: [num_tokens, num_kv_heads, head_dim]; cast to the cache dtype.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the query dtype,
+                contiguous last dimension; written in place.
+            metadata: the step's layout (device tensors on the query's device).
+            scale: softmax scale.
+
+        Returns:
+            [num_tokens, num_heads, head_dim], query dtype.
+
+        Raises:
+            RuntimeError: the kernels cannot run on the query's device (CPU without the
+                Triton interpreter, or CUDA under the interpreter).
+        """
+        self._check_device(query.device)
+        triton_write_kv(
+            kv_cache, key, value, metadata.slot_mapping, num_warps=self.config.kv_write_num_warps
+        )
+        return self.attend(query, kv_cache, metadata, scale)
+
+    def attend(
+        self, query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """Attention only (the cache already holds the step's K/V); see `forward`."""
+        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+        assert query.dtype == kv_cache.dtype, "the Triton kernels need query dtype == cache dtype"
+        assert metadata.block_size == kv_cache.shape[2], "metadata/cache block size mismatch"
+        output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.num_seqs == 0 or metadata.max_query_len == 0:
+            return output
+        config = self.config
+        num_single = self._num_single(metadata)
+        if num_single > 0:
+            num_splits = choose_num_splits(
+                metadata.num_seqs, num_kv_heads, metadata.max_seq_len, config
+            )
+            triton_decode_attention(
+                output, query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, scale, num_splits,
+                block_n=config.decode_block_n,
+                num_warps=config.decode_num_warps,
+                num_stages=config.decode_num_stages,
+            )  # fmt: skip
+        if metadata.max_query_len > 1:
+            triton_prefill_attention(
+                output, query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, scale, metadata.max_query_len,
+                skip_single=num_single > 0,
+                block_m=config.prefill_block_m,
+                block_n=config.prefill_block_n,
+                num_warps=config.prefill_num_warps,
+                num_stages=config.prefill_num_stages,
+            )  # fmt: skip
+        return output
+
+    def _num_single(self, metadata: AttentionMetadata) -> int:
+        """One-token sequences of the step, counted once per metadata (layers share it)."""
+        if metadata is not self._plan_metadata:
+            self._plan_metadata = metadata
+            self._plan_num_single = count_single_token_seqs(metadata)
+        return self._plan_num_single
+
+    def _check_device(self, device: torch.device) -> None:
+        if device in self._checked_devices:
+            return
+        if not triton_runs_on(device):
+            raise RuntimeError(
+                f"the Triton attention kernels cannot run on {device}: they need a CUDA "
+                "device, or CPU tensors under Triton's interpreter (TRITON_INTERPRET=1)"
+            )
+        self._checked_devices.add(device)
