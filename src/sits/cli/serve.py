@@ -4,6 +4,10 @@
 builds the app and serves until SIGTERM (exit 0 after the drain) or engine death (exit 1).
 With no model the built-in demo model `sits-demo` is served (`sits.demo`). The API key comes
 from --api-key or else the SITS_API_KEY environment variable, read here at run time.
+With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded before any
+model work; a malformed file exits 2 with the file, line and field named, and an API key
+besides is refused (keys belong to the tenants). Without it: one default tenant and plain
+FCFS scheduling.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sits.cli.engine_args import add_engine_args, engine_kwargs
+
+if TYPE_CHECKING:
+    from sits.tenancy import TenantsConfig
 
 API_KEY_ENV = "SITS_API_KEY"
 EXIT_BAD_CONFIG = 2
@@ -35,6 +42,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", default=None, help="name clients use as `model`")
     p.add_argument("--api-key", default=None, help=f"require this bearer key (also ${API_KEY_ENV})")
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenants.toml: API keys (SHA-256), tiers, reservations, SLOs and rate limits; "
+        "enables per-tenant auth, admission control and QoS scheduling",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)",
+    )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -64,12 +83,33 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
     return kwargs
 
 
+def load_tenants_arg(path: str | None, api_key: str | None) -> TenantsConfig | None:
+    """The tenants of `--tenants PATH` (None without it).
+
+    Raises:
+        TenantConfigError: the file is malformed (message: file, line, field).
+        InvalidParameterError: an API key was given too (keys belong to the tenants).
+    """
+    from sits.core.errors import InvalidParameterError
+    from sits.tenancy import load_tenants
+
+    if path is None:
+        return None
+    if api_key is not None:
+        raise InvalidParameterError(
+            "api_key",
+            f"--tenants and an API key (--api-key or ${API_KEY_ENV}) exclude each other: put "
+            "the keys' SHA-256 hashes in the tenants file (`sits tenants hash-key -`)",
+        )
+    return load_tenants(path)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run `sits serve` with parsed flags.
 
     Returns:
         The process exit code: 0 after a SIGTERM drain, 1 after engine death, 2 for a bad
-        model or configuration.
+        model, tenants file or configuration.
     """
     from sits.config import EngineConfig
     from sits.core.errors import SitsError
@@ -84,6 +124,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model and args.model_tag and args.model != args.model_tag:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    api_key = resolve_api_key(args, os.environ)
+    try:
+        tenants = load_tenants_arg(args.tenants, api_key)
+    except SitsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if tenants is not None:
+        log.info("tenants from %s: %s", args.tenants, ", ".join(tenants.ids))
     model = args.model or args.model_tag
     is_demo = model is None
     if is_demo:
@@ -96,9 +144,10 @@ def run_serve(args: argparse.Namespace) -> int:
         kwargs["served_model_name"] = DEMO_MODEL_NAME
     try:
         from sits.engine.async_llm import AsyncLLM
+        from sits.engine.builder import tenant_policies_of
 
         config = EngineConfig(**kwargs)
-        engine = AsyncLLM(config)
+        engine = AsyncLLM(config, tenant_policies=tenant_policies_of(tenants))
     except SitsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -107,11 +156,13 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("%s", description)
     settings = ServerSettings(
         served_model_name=config.model_name,
-        api_key=resolve_api_key(args, os.environ),
+        api_key=api_key,
         model_root=model,
         random_weights=random_weights,
         model_description=str(description) if description else None,
         shutdown_timeout_s=args.shutdown_timeout,
+        tenants=tenants,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level)

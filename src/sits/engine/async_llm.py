@@ -6,6 +6,12 @@ Commands reach the engine thread through a thread-safe inbox; outputs come back 
 `loop.call_soon_threadsafe`. Invariants: every request that leaves `generate` unfinished
 (client gone, task cancelled) is aborted and its KV blocks freed at the next loop iteration;
 if the loop dies, every in-flight request gets `EngineDeadError` at once.
+
+`stats()` is a snapshot the engine thread refreshes after each step and each batch of inbox
+commands; its queue and per-tenant part (an O(requests) scan) is refreshed at most every
+`_LOAD_STATS_PERIOD_S` while requests run, and always when the engine goes idle.
+`set_borrowing_tiers` reaches the scheduler through the inbox (overload control); while
+only work it defers waits (nothing running), the loop waits on the inbox instead of stepping.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
 
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
@@ -24,12 +31,17 @@ from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
+from sits.engine.core import WaitingLoad
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.sched.config import TenantPolicy, TenantTier
+from sits.sched.tenants import TenantSchedStats
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.2
+_LOAD_STATS_PERIOD_S = 0.02
+_ALL_TIERS = tuple(tier.value for tier in TenantTier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +55,19 @@ class EngineStats:
         num_free_blocks, num_total_blocks: KV blocks free and in all.
         num_preemptions: preemptions since start.
         num_steps: engine steps since start.
+        tenants: per configured tenant id, its scheduler numbers (running, waiting, blocks
+            used / reserved / borrowed, ...); empty without configured tenants. Read-only.
+        waiting: per tenant id with queued work, its oldest waiting arrival and prefill tokens
+            still to compute (`EngineCore.waiting_load`). Read-only.
+        oldest_waiting_arrival_s: time.monotonic() arrival of the oldest waiting request, or
+            None when nothing waits (see `queue_delay_s`).
+        num_queued_prefill_tokens: prefill tokens still to compute, all tenants together.
+        num_prefill_tokens: prefill tokens computed since start.
+        prefill_busy_s: seconds of the steps that computed them, since start (the ratio of the
+            deltas of these two is a prefill rate in tokens per second).
+        borrowing_tiers: tier values whose tenants may currently borrow beyond their
+            reservation (`set_borrowing_tiers`; all three by default).
+        time_s: time.monotonic() when the snapshot was taken.
     """
 
     num_running: int = 0
@@ -52,6 +77,21 @@ class EngineStats:
     num_total_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    tenants: Mapping[str, TenantSchedStats] = field(default_factory=dict)
+    waiting: Mapping[str, WaitingLoad] = field(default_factory=dict)
+    oldest_waiting_arrival_s: float | None = None
+    num_queued_prefill_tokens: int = 0
+    num_prefill_tokens: int = 0
+    prefill_busy_s: float = 0.0
+    borrowing_tiers: tuple[str, ...] = _ALL_TIERS
+    time_s: float = 0.0
+
+    def queue_delay_s(self, now_s: float) -> float:
+        """Seconds the oldest waiting request has waited at `now_s` (time.monotonic()); 0 when
+        nothing waits."""
+        if self.oldest_waiting_arrival_s is None:
+            return 0.0
+        return max(now_s - self.oldest_waiting_arrival_s, 0.0)
 
 
 class AsyncLLM:
@@ -61,10 +101,18 @@ class AsyncLLM:
         config: engine configuration.
         health_timeout_s: the engine counts as unhealthy when its loop has not completed an
             iteration for this many seconds (a hung step).
+        tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`);
+            () for plain FCFS.
     """
 
-    def __init__(self, config: EngineConfig, *, health_timeout_s: float = 10.0) -> None:
-        parts = build_engine(config)
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        health_timeout_s: float = 10.0,
+        tenant_policies: tuple[TenantPolicy, ...] = (),
+    ) -> None:
+        parts = build_engine(config, tenant_policies)
         self.config = config
         self.engine_core = parts.core
         self.tokenizer = parts.tokenizer
@@ -80,7 +128,9 @@ class AsyncLLM:
         self._stopping = False
         self._heartbeat_s = time.monotonic()
         self._stats = EngineStats()
-        self._update_stats()
+        self._borrowing_tiers = _ALL_TIERS
+        self._load_time_s = -1.0
+        self._update_stats(force=True)
         self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
         self._thread.start()
 
@@ -159,6 +209,21 @@ class AsyncLLM:
         """The latest load snapshot."""
         return self._stats
 
+    def set_borrowing_tiers(self, tiers: Iterable[str | Enum]) -> None:
+        """Let only tenants of `tiers` start work beyond their reservation (overload control).
+
+        Args:
+            tiers: tier values ("guaranteed", "burstable", "best_effort") or tier enums; all
+                three restore normal borrowing. Applied by the engine thread before its next
+                step; running requests are not touched. No effect without configured tenants.
+
+        Raises:
+            ValueError: an unknown tier.
+        """
+        values = {tier.value if isinstance(tier, Enum) else str(tier) for tier in tiers}
+        chosen = frozenset(TenantTier(value) for value in values)
+        self._inbox.put(("borrowing", chosen))
+
     async def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests get EngineDeadError."""
         self._stopping = True
@@ -201,14 +266,25 @@ class AsyncLLM:
 
     def _engine_loop(self) -> None:
         core = self.engine_core
+        sched = core.scheduler
+        stalled = False
         try:
             while not self._stopping:
                 self._heartbeat_s = time.monotonic()
-                self._drain_inbox(block=not core.has_unfinished_requests())
+                self._drain_inbox(block=stalled or not core.has_unfinished_requests())
                 if self._stopping or not core.has_unfinished_requests():
                     continue
+                num_preemptions = sched.num_preemptions
                 outputs = core.step()
-                self._update_stats()
+                # Nothing runs, nothing started and nothing was preempted: the waiting work
+                # cannot start (e.g. deferred by `set_borrowing_tiers`) and the next step would
+                # decide the same, so wait for a command instead of spinning.
+                stalled = (
+                    not outputs
+                    and sched.num_running == 0
+                    and sched.num_preemptions == num_preemptions
+                )
+                self._update_stats(force=stalled or not core.has_unfinished_requests())
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
@@ -230,7 +306,7 @@ class AsyncLLM:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self._update_stats()
+        self._update_stats(force=True)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
@@ -246,17 +322,38 @@ class AsyncLLM:
         elif kind == "finish":
             _, ids, reason, stop_reason = command
             self.engine_core.finish_requests(ids, reason, stop_reason)
+        elif kind == "borrowing":
+            tiers = command[1]
+            self.engine_core.scheduler.set_borrowing_tiers(tiers)
+            self._borrowing_tiers = tuple(t.value for t in TenantTier if t in tiers)
         elif kind == "stop":
             self._stopping = True
 
-    def _update_stats(self) -> None:
-        sched = self.engine_core.scheduler
+    def _update_stats(self, force: bool = False) -> None:
+        core = self.engine_core
+        sched = core.scheduler
+        now_s = time.monotonic()
+        previous = self._stats
+        tenants, waiting = previous.tenants, previous.waiting
+        if force or now_s - self._load_time_s >= _LOAD_STATS_PERIOD_S:
+            self._load_time_s = now_s
+            tenants = core.tenant_stats()
+            waiting = core.waiting_load()
+        arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
         self._stats = EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_cache_usage=sched.kv_usage,
             num_free_blocks=sched.num_free_blocks,
             num_total_blocks=sched.num_total_blocks,
-            num_preemptions=getattr(sched, "num_preemptions", 0),
-            num_steps=self.engine_core.num_steps,
+            num_preemptions=sched.num_preemptions,
+            num_steps=core.num_steps,
+            tenants=tenants,
+            waiting=waiting,
+            oldest_waiting_arrival_s=min(arrivals, default=None),
+            num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
+            num_prefill_tokens=core.num_prefill_tokens,
+            prefill_busy_s=core.prefill_busy_s,
+            borrowing_tiers=self._borrowing_tiers,
+            time_s=now_s,
         )

@@ -1,4 +1,7 @@
-"""Builds the parts every engine front end needs: checkpoint facts, tokenizer, `EngineCore`."""
+"""Builds the parts every engine front end needs: checkpoint facts, tokenizer, `EngineCore`.
+
+Also maps the user-facing tenant config (`sits.tenancy`) to the scheduler's `TenantPolicy`s.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from sits.engine.core import EngineCore
 from sits.engine.tokenizer import Tokenizer
 from sits.models.loader import resolve_model_path
 from sits.runner.model_info import ModelInfo, read_model_info
+from sits.sched.config import TenantPolicy, TenantTier
+from sits.tenancy.config import TenantsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +34,47 @@ class EngineParts:
     info: ModelInfo
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def tenant_policies_of(tenants: TenantsConfig | None) -> tuple[TenantPolicy, ...]:
+    """The scheduler policies of `tenants` (tier, reservation, weight, priority, SLOs).
+
+    None gives () (plain FCFS): the server runs without `--tenants` that way, not with
+    `TenantsConfig.default()`, whose single guaranteed tenant would only add bookkeeping.
+    """
+    if tenants is None:
+        return ()
+    return tuple(
+        TenantPolicy(
+            tenant_id=t.id,
+            tier=TenantTier(t.tier.value),
+            reserved_kv_fraction=t.reserved_kv_fraction,
+            weight=t.weight,
+            priority=t.priority,
+            ttft_ms=t.ttft_ms,
+            tpot_ms=t.tpot_ms,
+        )
+        for t in tenants
+    )
+
+
+def build_engine(
+    config: EngineConfig, tenant_policies: tuple[TenantPolicy, ...] = ()
+) -> EngineParts:
     """Resolve the model, load tokenizer and weights, and size the KV cache.
+
+    Args:
+        config: the engine configuration.
+        tenant_policies: the scheduler's tenants (see `tenant_policies_of`); () for plain FCFS.
 
     Raises:
         ModelNotFoundError: the model path or id cannot be resolved.
         UnsupportedModelError: the architecture or one of its options is not supported.
+        InvalidParameterError: the tenants' reservations do not fit the KV cache ("tenants").
     """
     model_dir = resolve_model_path(config.model)
     tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_dir
     info = read_model_info(config, model_dir)
     tokenizer = Tokenizer(tokenizer_dir)
-    core = EngineCore(config, info)
+    core = EngineCore(config, info, tenant_policies)
     runner = core.runner
     logger.info(
         "loaded %s on %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",

@@ -3,20 +3,44 @@
 It is synchronous and single-threaded: `LLM` calls `step()` directly and `AsyncLLM` calls it
 from its own engine thread. Messages in and out are plain dataclasses (`Request` in,
 `EngineCoreOutput` out), so the core can later move into its own process.
+
+Load accounting for overload control (read by `AsyncLLM` for its stats): cumulative prefill
+tokens computed and the wall time of the steps that computed them (`num_prefill_tokens`,
+`prefill_busy_s`; their ratio is a prefill rate), and `waiting_load()` (per tenant: oldest
+waiting arrival and prefill work still queued).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
+from sits.core.plan import ScheduledRequest
 from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
-from sits.sched.config import SchedulerConfig
+from sits.sched.config import SchedulerConfig, TenantPolicy
 from sits.sched.scheduler import Scheduler
+from sits.sched.tenants import TenantSchedStats
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingLoad:
+    """One tenant's queued work.
+
+    Attributes:
+        oldest_arrival_s: time.monotonic() arrival of its oldest waiting request; None when
+            none waits (it may still have running requests with prompt left to compute).
+        num_prefill_tokens: tokens still to prefill: every token of each waiting request (new
+            or preempted: all are computed again; prefix-cache hits not deducted) plus the
+            prompt tokens its running requests have not computed yet (chunked prefill).
+    """
+
+    oldest_arrival_s: float | None = None
+    num_prefill_tokens: int = 0
 
 
 class EngineCore:
@@ -25,14 +49,24 @@ class EngineCore:
     Args:
         config: engine configuration.
         info: the resolved checkpoint facts (see `read_model_info`).
+        tenant_policies: the tenants' scheduling policies; empty (the default) schedules every
+            request first-come-first-served whatever its tenant_id.
 
     Attributes:
         runner: the model runner (device state).
         scheduler: the scheduler (KV block and batch decisions).
         num_steps: steps run so far.
+        num_prefill_tokens: prompt (or recomputed) tokens computed so far, cumulative.
+        prefill_busy_s: wall seconds of the steps that computed prefill tokens, cumulative
+            (the whole step counts, decodes batched with the prefill included).
     """
 
-    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        info: ModelInfo,
+        tenant_policies: tuple[TenantPolicy, ...] = (),
+    ) -> None:
         self.config = config
         self.info = info
         self.runner = ModelRunner(config, info)
@@ -44,9 +78,12 @@ class EngineCore:
                 block_size=config.block_size,
                 num_blocks=self.runner.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
+                tenants=tuple(tenant_policies),
             )
         )
         self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.prefill_busy_s = 0.0
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
 
@@ -105,6 +142,38 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def tenant_stats(self) -> dict[str, TenantSchedStats]:
+        """Per configured tenant: running, waiting, blocks used/reserved/borrowed (empty without
+        tenants)."""
+        return self.scheduler.tenant_stats()
+
+    def waiting_load(self) -> dict[str, WaitingLoad]:
+        """The queued work of each tenant id that has some (see `WaitingLoad`). O(requests)."""
+        sched = self.scheduler
+        loads: dict[str, WaitingLoad] = {}
+        for request_id in sched.waiting_request_ids():
+            request = sched.get_request(request_id)
+            if request is None:
+                continue
+            load = loads.get(request.tenant_id) or WaitingLoad()
+            oldest_s = load.oldest_arrival_s
+            if oldest_s is None or request.arrival_time < oldest_s:
+                oldest_s = request.arrival_time
+            loads[request.tenant_id] = WaitingLoad(
+                oldest_s, load.num_prefill_tokens + request.num_tokens
+            )
+        for request_id in sched.running_request_ids():
+            request = sched.get_request(request_id)
+            if request is None:
+                continue
+            left = request.num_prompt_tokens - request.num_computed_tokens
+            if left > 0:
+                load = loads.get(request.tenant_id) or WaitingLoad()
+                loads[request.tenant_id] = WaitingLoad(
+                    load.oldest_arrival_s, load.num_prefill_tokens + left
+                )
+        return loads
+
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step.
 
@@ -117,9 +186,14 @@ class EngineCore:
             if sr.request_id not in self._first_scheduled_s:
                 self._first_scheduled_s[sr.request_id] = now
                 self._unreported_first_scheduled.add(sr.request_id)
+        # Counted before `update`, which appends to the (shared) output_token_ids lists.
+        num_prefill = sum(sr.num_tokens for sr in plan.scheduled if _is_prefill(sr))
         result = self.runner.run(plan)
         outputs = self.scheduler.update(plan, result)
         self.num_steps += 1
+        if num_prefill:
+            self.num_prefill_tokens += num_prefill
+            self.prefill_busy_s += time.monotonic() - now
         for out in outputs:
             if out.request_id in self._unreported_first_scheduled:
                 self._unreported_first_scheduled.discard(out.request_id)
@@ -127,3 +201,8 @@ class EngineCore:
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
         return outputs
+
+
+def _is_prefill(sr: ScheduledRequest) -> bool:
+    """True for a prompt chunk or a recompute (not a one-token decode of a running request)."""
+    return sr.num_tokens > 1 or not sr.output_token_ids

@@ -1,8 +1,10 @@
 """`build_app`: the FastAPI application of one engine.
 
-The app owns a `ServerContext` (settings, lifecycle, per-app metrics registry) in
-`app.state.ctx`; its lifespan starts the engine-health monitor and, on exit, stops it and
-(optionally) shuts the engine down. Nothing is global, so one process may build several apps.
+The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics registry) in
+`app.state.ctx`; its lifespan starts the engine-health monitor and the overload watcher and,
+on exit, stops them and (optionally) shuts the engine down. `QosHeadersMiddleware` puts the
+overload state and the tenant's rate-limit headers on every response. Nothing is global, so one
+process may build several apps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sits.server.context import ServerContext, ServerSettings
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.lifecycle import ServerLifecycle
+from sits.server.qos_headers import QosHeadersMiddleware
 from sits.server.routes import api_router, ops_router
 
 
@@ -47,9 +50,11 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.start()
+        ctx.overload_watcher.start()
         try:
             yield
         finally:
+            await ctx.overload_watcher.stop()
             await lifecycle.stop()
             if shutdown_engine:
                 await engine.shutdown()
@@ -62,6 +67,7 @@ def build_app(
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
     app.include_router(ops_router)
     app.include_router(api_router)
     return app

@@ -1,8 +1,12 @@
-"""API-key check for the OpenAI routes (`Authorization: Bearer KEY`).
+"""API-key authentication for the OpenAI routes: `Authorization: Bearer KEY` -> a tenant.
 
-When the server has a key, every /v1 route, /tokenize and /detokenize answer 401 (OpenAI's
-`invalid_api_key` body) to a request without it or with another one; /health and /metrics stay
-open for probes and scrapers. Keys are compared in constant time (`hmac.compare_digest`).
+Every /v1 route, /tokenize and /detokenize go through `require_tenant`: the key maps to a
+tenant through `TenantsConfig.authenticate` (keys are stored as SHA-256 digests and compared
+in constant time); a missing or unknown key gets 401 (OpenAI's `invalid_api_key` body) unless
+the config has an anonymous tenant. Without `--tenants` the config is
+`TenantsConfig.default(api_key)`: with `--api-key` that key is required, without it every
+request is the default tenant's. /health and /metrics stay open for probes and scrapers.
+The tenant is stored in the request state (`TENANT_STATE_KEY`) for handlers and headers.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import hmac
 from fastapi import Request
 
 from sits.server.errors import ServerError
+from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.tenancy import TenantConfig
 
 
-def _presented_key(request: Request) -> str | None:
+def presented_key(request: Request) -> str | None:
+    """The bearer key of the request, or None (no header or another scheme)."""
     header = request.headers.get("authorization")
     if header is None:
         return None
@@ -31,20 +38,26 @@ def keys_match(expected: str, presented: str | None) -> bool:
     return hmac.compare_digest(expected.encode("utf-8"), presented.encode("utf-8"))
 
 
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency: raise 401 unless the request carries the server's key.
+async def require_tenant(request: Request) -> None:
+    """FastAPI dependency: authenticate the request's tenant or raise 401.
 
     Raises:
         ServerError: 401 with code "invalid_api_key".
     """
-    expected = request.app.state.ctx.settings.api_key
-    if expected is None:
-        return
-    presented = _presented_key(request)
-    if not keys_match(expected, presented):
+    presented = presented_key(request)
+    tenant = request.app.state.ctx.qos.authenticate(presented)
+    if tenant is None:
         message = (
             "Missing API key: pass it as 'Authorization: Bearer KEY'."
-            if presented is None
+            if not presented
             else "Incorrect API key provided."
         )
         raise ServerError(401, message, code="invalid_api_key")
+    setattr(request.state, TENANT_STATE_KEY, tenant)
+
+
+def request_tenant(request: Request) -> TenantConfig:
+    """The tenant `require_tenant` stored for this request."""
+    tenant = getattr(request.state, TENANT_STATE_KEY, None)
+    assert tenant is not None, "route without the require_tenant dependency"
+    return tenant

@@ -1,19 +1,25 @@
 """`ServerSettings` (what the CLI decides) and `ServerContext` (what every handler uses).
 
-One context per app: the engine, the settings, the lifecycle (admission, drain, health) and
-the metrics. Handlers get it from `request.app.state.ctx`; nothing is global.
+One context per app: the engine, the settings, the lifecycle (drain, health), the QoS state
+(tenants, rate limits, breaker, overload) with its watcher, and the metrics. Handlers get it
+from `request.app.state.ctx`; nothing is global.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sits.core.errors import InvalidParameterError
 from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
 from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.metrics import ServerMetrics
+from sits.server.overload_watch import OverloadWatcher
+from sits.server.qos import QosSettings, ServerQos
+from sits.server.tenant_metrics import QosCollector, TenantMetrics
+from sits.tenancy import TenantConfig, TenantsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +34,14 @@ class ServerSettings:
         model_description: a plain sentence for /v1/models.
         shutdown_timeout_s: how long SIGTERM waits for in-flight requests.
         health_poll_s: how often the engine's health is checked.
+        tenants: the tenants (`--tenants`): keys, tiers, limits, SLOs; their ids also salt
+            the prefix cache. None: one default tenant (`TenantsConfig.default(api_key)`).
+        qos: rate-limit window, breaker, overload thresholds and clock.
+        enable_prompt_tokens_details: fill `usage.prompt_tokens_details.cached_tokens`
+            (vLLM's flag of the same name; off by default, as in vLLM).
+
+    Raises:
+        InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml).
     """
 
     served_model_name: str | None = None
@@ -37,6 +51,21 @@ class ServerSettings:
     model_description: str | None = None
     shutdown_timeout_s: float = 30.0
     health_poll_s: float = 0.2
+    tenants: TenantsConfig | None = None
+    qos: QosSettings = field(default_factory=QosSettings)
+    enable_prompt_tokens_details: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and self.tenants is not None:
+            raise InvalidParameterError(
+                "api_key",
+                "--api-key and --tenants exclude each other: with tenants, API keys are the "
+                "tenants' api_key_sha256 entries",
+            )
+
+    def tenants_config(self) -> TenantsConfig:
+        """The configured tenants, or the single default tenant (with `api_key` if any)."""
+        return self.tenants if self.tenants is not None else TenantsConfig.default(self.api_key)
 
 
 class ServerContext:
@@ -45,7 +74,12 @@ class ServerContext:
     Args:
         engine: the engine front end.
         settings: server options.
-        lifecycle: admission, drain and health.
+        lifecycle: drain and health.
+
+    Attributes:
+        qos: tenants, rate limits, circuit breaker and overload state.
+        overload_watcher: the task feeding `qos` with the engine's load (started by the app).
+        metrics: the server's metrics (per tenant too).
     """
 
     def __init__(
@@ -55,7 +89,21 @@ class ServerContext:
         self.settings = settings
         self.lifecycle = lifecycle
         self.model_name = settings.served_model_name or engine.model_name
+        tenants = settings.tenants_config()
         self.metrics = ServerMetrics(engine, self.model_name)
+        tenant_metrics = TenantMetrics(self.metrics.registry, self.model_name, tenants)
+        self.metrics.tenants = tenant_metrics
+        self.qos = ServerQos(
+            engine,
+            tenants,
+            settings.qos,
+            tenant_metrics,
+            isolate_prefix_cache=settings.tenants is not None,
+        )
+        self.overload_watcher = OverloadWatcher(engine, self.qos)
+        self.metrics.registry.register(
+            QosCollector(self.qos, engine.stats, self.overload_watcher.snapshot, self.model_name)
+        )
 
     @property
     def tokenizer(self) -> ServerTokenizer:
@@ -75,16 +123,19 @@ class ServerContext:
         self,
         prefix: str,
         prompts: list[EnginePrompt],
+        tenant: TenantConfig,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> GenerationJob:
-        """A job for `prompts` with a fresh request id `prefix-<hex>` and metrics attached."""
+        """A job of `tenant` for `prompts` with a fresh request id `prefix-<hex>` and metrics
+        attached; its prefix-cache namespace is `ServerQos.cache_salt(tenant, cache_salt)`."""
         return GenerationJob(
             self.engine,
             f"{prefix}-{uuid.uuid4().hex}",
             prompts,
+            tenant_id=tenant.id,
             priority=priority,
-            cache_salt=cache_salt,
-            make_observer=self.metrics.recorder,
+            cache_salt=self.qos.cache_salt(tenant, cache_salt),
+            make_observer=lambda prompt: self.metrics.recorder(prompt, tenant),
         )

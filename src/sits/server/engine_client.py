@@ -7,6 +7,10 @@ hand it a small double for fault paths. The contract:
 - closing the generator or cancelling the task iterating it aborts the request and frees its
   KV blocks at once;
 - `is_healthy()` is cheap and never blocks: False once the engine loop died or stopped stepping.
+Optional, read with `getattr` so small doubles still work: the stats' per-tenant `tenants`
+and `waiting` maps and prefill counters (`AsyncLLM.EngineStats`), and
+`set_borrowing_tiers(tiers)` (overload control); without them the QoS layer sees no tenant
+usage and no queue.
 """
 
 from __future__ import annotations

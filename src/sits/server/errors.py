@@ -2,7 +2,8 @@
 
 Every failure an HTTP client can see goes through `error_body`: user errors from
 `sits.core.errors` become 400 with `param` naming the field, pydantic validation errors become
-400 (not FastAPI's 422), unknown models 404, bad API keys 401, draining or a dead engine 503.
+400 (not FastAPI's 422), unknown models 404, bad API keys 401, rate limits 429 (with Retry-After),
+draining, overload shedding, an open circuit breaker or a dead engine 503.
 Only unexpected exceptions are 500, and their message never carries a traceback.
 """
 
@@ -34,6 +35,7 @@ class ServerError(Exception):
         type: OpenAI error type ("invalid_request_error", "service_unavailable_error", ...).
         param: the request field at fault, or None.
         code: a short machine-readable code, or None.
+        headers: extra response headers (Retry-After, rate limits), or None.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class ServerError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +53,7 @@ class ServerError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def model_not_found(name: str) -> ServerError:
@@ -132,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServerError)
     async def _on_server_error(request: Request, exc: ServerError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, headers=exc.headers)
 
     @app.exception_handler(SitsError)
     async def _on_sits_error(request: Request, exc: SitsError) -> JSONResponse:

@@ -12,6 +12,9 @@ Invariants:
 - `fail(exc)` (used by drain and by engine-death handling) makes the next `next()` raise `exc`
   and stops the pumps; outputs queued before it are still delivered first.
 - HTTP work never runs on the engine's step loop: pumps only move finished Python objects.
+- `used_tokens` counts what the engine really consumed for the job (rate-limit
+  reconciliation): the prompt tokens of every prompt that produced an output, plus every
+  generated token delivered.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class GenerationJob:
         request_id: the HTTP request's id; prompt i runs as engine request
             `request_id` (one prompt) or `f"{request_id}-p{i}"`.
         prompts: the prompts, each with its sampling params.
-        priority, cache_salt: passed to the engine.
+        tenant_id, priority, cache_salt: passed to the engine.
         make_observer: builds an observer per prompt (metrics); None for none.
     """
 
@@ -73,6 +76,7 @@ class GenerationJob:
         request_id: str,
         prompts: list[EnginePrompt],
         *,
+        tenant_id: str = "default",
         priority: int = 0,
         cache_salt: str | None = None,
         make_observer: Callable[[EnginePrompt], OutputObserver] | None = None,
@@ -81,6 +85,7 @@ class GenerationJob:
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
+        self.tenant_id = tenant_id
         self.priority = priority
         self.cache_salt = cache_salt
         self.engine_request_ids = (
@@ -94,6 +99,8 @@ class GenerationJob:
         )
         self._pumps: list[asyncio.Task[None]] = []
         self._finished = [False] * len(prompts)
+        self._started = [False] * len(prompts)  # produced at least one output
+        self.num_generated_tokens = 0
         self._num_open = len(prompts)
         self._failure: BaseException | None = None
         self._closed = False
@@ -106,16 +113,20 @@ class GenerationJob:
     async def _pump(self, index: int, prompt: EnginePrompt) -> None:
         observer = self._make_observer(prompt)
         finished = False
-        gen = self.engine.generate(
-            self.engine_request_ids[index],
-            prompt.token_ids,
-            prompt.params,
-            prompt=prompt.text,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-        )
+        gen = None
         try:
+            gen = self.engine.generate(
+                self.engine_request_ids[index],
+                prompt.token_ids,
+                prompt.params,
+                prompt=prompt.text,
+                tenant_id=self.tenant_id,
+                priority=self.priority,
+                cache_salt=self.cache_salt,
+            )
             async for output in gen:
+                self._started[index] = True
+                self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
                 observer.on_output(output)
                 finished = output.finished
                 self._queue.put_nowait((index, output))
@@ -128,8 +139,9 @@ class GenerationJob:
             self._finished[index] = finished
             if not finished:
                 observer.on_abort()
-            with contextlib.suppress(BaseException):
-                await gen.aclose()  # type: ignore[attr-defined]
+            if gen is not None:
+                with contextlib.suppress(BaseException):
+                    await gen.aclose()  # type: ignore[attr-defined]
 
     async def next(self) -> tuple[int, RequestOutput] | None:
         """The next (prompt index, output), or None once every prompt has finished.
@@ -157,6 +169,14 @@ class GenerationJob:
         for pump in self._pumps:
             pump.cancel()
         self._queue.put_nowait(exc)
+
+    @property
+    def used_tokens(self) -> int:
+        """Prompt tokens of the prompts that produced output plus the generated tokens."""
+        prompt_tokens = sum(
+            len(p.token_ids) for p, started in zip(self.prompts, self._started) if started
+        )
+        return prompt_tokens + self.num_generated_tokens
 
     @property
     def all_finished(self) -> bool:

@@ -11,6 +11,8 @@ sees every output of an engine request:
 - time per output token: (last_token_time - first_token_time) / (tokens - 1) per sample;
 - prompt tokens once per engine request (when its first output arrives), generation tokens as
   they arrive; request_success_total once per sample, labelled by its finish reason.
+The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
+(`sits.server.tenant_metrics`), when the recorder is given the tenant.
 Times are `time.monotonic()` seconds (the engine's timestamps except for inter-token latency).
 """
 
@@ -26,6 +28,8 @@ from prometheus_client.registry import Collector
 from sits.core.outputs import RequestOutput
 from sits.server.engine_client import EngineClient
 from sits.server.jobs import EnginePrompt, OutputObserver
+from sits.server.tenant_metrics import TenantMetrics
+from sits.tenancy import TenantConfig
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -83,10 +87,14 @@ class ServerMetrics:
     Args:
         engine: read for the gauges at scrape time.
         model_name: value of the `model_name` label.
+
+    Attributes:
+        tenants: the per-tenant metrics on the same registry, once the server set them.
     """
 
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.model_name = model_name
+        self.tenants: TenantMetrics | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(engine, model_name))
         labels = ["model_name"]
@@ -139,9 +147,9 @@ class ServerMetrics:
             registry=reg,
         )
 
-    def recorder(self, prompt: EnginePrompt) -> RequestRecorder:
-        """An observer recording one engine request's outputs."""
-        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n)
+    def recorder(self, prompt: EnginePrompt, tenant: TenantConfig | None = None) -> RequestRecorder:
+        """An observer recording one engine request's outputs (for `tenant` too, if given)."""
+        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n, tenant)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -151,8 +159,16 @@ class ServerMetrics:
 class RequestRecorder(OutputObserver):
     """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples)."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, num_samples: int) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        num_prompt_tokens: int,
+        num_samples: int,
+        tenant: TenantConfig | None = None,
+    ) -> None:
         self.m = metrics
+        self.t = metrics.tenants if tenant is not None else None
+        self.tenant = tenant
         self.num_prompt_tokens = num_prompt_tokens
         self.num_samples = num_samples
         self.saw_output = False
@@ -167,6 +183,8 @@ class RequestRecorder(OutputObserver):
         if not self.saw_output:
             self.saw_output = True
             self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+            if self.t is not None:
+                self.t.add_prompt_tokens(self.tenant.id, self.num_prompt_tokens)
             if metrics is not None and metrics.first_scheduled_time is not None:
                 queued_s = metrics.first_scheduled_time - metrics.arrival_time
                 self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
@@ -180,6 +198,8 @@ class RequestRecorder(OutputObserver):
                 self.m.request_success.labels(label, sample.finish_reason).inc()
         if num_new:
             self.m.generation_tokens.labels(label).inc(num_new)
+            if self.t is not None:
+                self.t.add_generation_tokens(self.tenant.id, num_new)
             self._observe_token_times(output)
         if output.finished and metrics is not None and metrics.finished_time is not None:
             self.m.e2e.labels(label).observe(max(metrics.finished_time - metrics.arrival_time, 0))
@@ -191,8 +211,10 @@ class RequestRecorder(OutputObserver):
             return
         if not self.saw_first_token and metrics.first_token_time is not None:
             self.saw_first_token = True
-            ttft_s = metrics.first_token_time - metrics.arrival_time
-            self.m.ttft.labels(self.m.model_name).observe(max(ttft_s, 0.0))
+            ttft_s = max(metrics.first_token_time - metrics.arrival_time, 0.0)
+            self.m.ttft.labels(self.m.model_name).observe(ttft_s)
+            if self.t is not None:
+                self.t.observe_ttft(self.tenant, ttft_s)
         # The engine's metrics object may already reflect later steps when an output is read,
         # so the gap between outputs is timed here, when each one arrives.
         now = time.monotonic()
@@ -208,7 +230,10 @@ class RequestRecorder(OutputObserver):
         span_s = metrics.last_token_time - metrics.first_token_time
         for count in self.tokens_by_sample.values():
             if count > 1:
-                self.m.tpot.labels(self.m.model_name).observe(max(span_s, 0.0) / (count - 1))
+                tpot_s = max(span_s, 0.0) / (count - 1)
+                self.m.tpot.labels(self.m.model_name).observe(tpot_s)
+                if self.t is not None:
+                    self.t.observe_tpot(self.tenant, tpot_s)
 
     def on_abort(self) -> None:
         for index in range(self.num_samples):

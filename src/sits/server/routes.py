@@ -1,9 +1,9 @@
 """The HTTP routes: OpenAI (/v1/models, /v1/completions, /v1/chat/completions), vLLM's
 /tokenize and /detokenize, and the operational /health and /metrics.
 
-Handlers stay thin: they parse (pydantic), check the key (dependency), then call the serving
-modules. /health answers 200 only while the engine loop is alive and stepping and the server
-is not draining; it never waits on the engine.
+Handlers stay thin: they parse (pydantic), authenticate the tenant (dependency), then call
+the serving modules. /health answers 200 only while the engine loop is alive and stepping and
+the server is not draining; it never waits on the engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from sits.server.auth import require_api_key
+from sits.server.auth import require_tenant
 from sits.server.context import ServerContext
 from sits.server.errors import error_response, unavailable, unsupported
 from sits.server.lifecycle import draining_error
@@ -35,7 +35,7 @@ from sits.server.serving_common import check_prompt_ids, drop_double_bos, encode
 from sits.server.serving_completion import create_completion
 
 ops_router = APIRouter()
-api_router = APIRouter(dependencies=[Depends(require_api_key)])
+api_router = APIRouter(dependencies=[Depends(require_tenant)])
 
 
 def _ctx(request: Request) -> ServerContext:

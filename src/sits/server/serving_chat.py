@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from sits.core.errors import InvalidParameterError
 from sits.server.context import ServerContext
-from sits.server.jobs import EnginePrompt
+from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.logprobs import PositionLogprobs, chat_logprobs_content
 from sits.server.params import (
     chat_max_tokens_field,
@@ -52,9 +52,11 @@ from sits.server.serving_common import (
     drop_double_bos,
     results_usage,
     serve_job,
+    start_request,
     usage_of,
 )
 from sits.server.sse import DONE_EVENT, sse_event
+from sits.tenancy import TenantConfig
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -139,6 +141,7 @@ class _ChatRenderer:
         self.request_id = rid
         self.created = int(time.time())
         self.num_top = req.top_logprobs or 0
+        self.with_details = ctx.settings.enable_prompt_tokens_details
 
     def _logprobs(
         self, token_ids: list[int], entries: list[PositionLogprobs] | None
@@ -167,7 +170,7 @@ class _ChatRenderer:
             created=self.created,
             model=self.ctx.model_name,
             choices=choices,
-            usage=results_usage(results),
+            usage=results_usage(results, self.with_details),
         )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -187,15 +190,22 @@ class _ChatRenderer:
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         prompt_counts = [len(self.prompt.token_ids)]
         completion_counts = [0] * self.req.n
+        num_cached = 0
+
+        def usage() -> UsageInfo:
+            details = num_cached if self.with_details else None
+            return usage_of(prompt_counts, completion_counts, details)
+
         role_sent = False
         async for _, output in items:
             check_output(output)
+            num_cached = output.num_cached_tokens
             if not role_sent:
                 role_sent = True
                 for index in range(self.req.n):
                     role = DeltaMessage(role="assistant", content="")
-                    usage = usage_of(prompt_counts, completion_counts) if continuous else None
-                    yield self._chunk([ChatStreamChoice(index=index, delta=role)], usage)
+                    role_usage = usage() if continuous else None
+                    yield self._chunk([ChatStreamChoice(index=index, delta=role)], role_usage)
             for delta in output.outputs:
                 completion_counts[delta.index] += len(delta.token_ids)
                 # Tokens whose text is held back (a partial character or stop-string prefix)
@@ -212,10 +222,9 @@ class _ChatRenderer:
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                 )
-                usage = usage_of(prompt_counts, completion_counts) if continuous else None
-                yield self._chunk([choice], usage)
+                yield self._chunk([choice], usage() if continuous else None)
         if include_usage:
-            yield self._chunk([], usage_of(prompt_counts, completion_counts))
+            yield self._chunk([], usage())
         yield DONE_EVENT
 
 
@@ -227,20 +236,23 @@ async def create_chat_completion(
     Raises:
         ServerError, InvalidParameterError, PromptTooLongError: as OpenAI error bodies.
     """
-    ctx.check_model(req.model)
-    ticket = ctx.lifecycle.admit()
-    try:
+    prompts: list[EnginePrompt] = []
+
+    def prepare(tenant: TenantConfig) -> GenerationJob:
+        ctx.check_model(req.model)
         check_chat_request(req)
-        prompt = build_chat_prompt(req, ctx)
-        job = ctx.new_job("chatcmpl", [prompt], priority=req.priority, cache_salt=req.cache_salt)
-    except BaseException:
-        ticket.release()
-        raise
-    renderer = _ChatRenderer(ctx, req, prompt, job.request_id)
+        prompts.append(build_chat_prompt(req, ctx))
+        return ctx.new_job(
+            "chatcmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
+        )
+
+    ticket, qos, job = start_request(ctx, raw, prepare)
+    renderer = _ChatRenderer(ctx, req, prompts[0], job.request_id)
     return await serve_job(
         ctx,
         raw,
         ticket,
+        qos,
         job,
         stream=bool(req.stream),
         render_stream=renderer.stream,

@@ -1,5 +1,10 @@
-"""What completions and chat share: prompt token checks, running a job, joining DELTA outputs.
+"""What completions and chat share: prompt token checks, admission, running a job, joining
+DELTA outputs.
 
+`start_request` admits one generation request: the server lifecycle (drain, engine health),
+then the handler's parsing and tokenizing (`prepare`), then QoS (`ServerQos.admit`: breaker,
+overload, rate limits) with the job's whole token reservation; any refusal on the way is
+counted as the tenant's outcome and nothing stays held.
 `serve_job` owns the life of one generation request once it is admitted:
 1. it registers and starts the job, then waits for the first output while watching for a
    disconnect, so engine-side refusals (prompt too long for the KV cache, ...) are still an
@@ -8,7 +13,10 @@
    error event) and the cleanup; non-streamed: it joins all outputs while watching for a
    disconnect;
 3. in every case it closes the job (aborting what is unfinished, freeing KV blocks at once),
-   unregisters it and releases the admission ticket.
+   unregisters it, releases the lifecycle ticket and finishes the QoS ticket with the outcome
+   (ok, client error, 503, engine error, abort) and the tokens really used.
+Engine failures of a non-streamed request leave as `ServerError`s, so every answer passes the
+QoS header middleware.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from pydantic import BaseModel
 
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import Logprob, RequestOutput
+from sits.server.auth import request_tenant
 from sits.server.context import ServerContext
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
 from sits.server.jobs import GenerationJob
 from sits.server.lifecycle import Ticket
-from sits.server.protocol import UsageInfo
+from sits.server.protocol import PromptTokensDetails, UsageInfo
+from sits.server.qos import Outcome, QosTicket, outcome_of
 from sits.server.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -36,6 +46,7 @@ from sits.server.sse import (
     run_until_disconnect,
     sse_event,
 )
+from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -164,23 +175,62 @@ async def collect(first: Item | None, job: GenerationJob) -> list[PromptResult]:
     return results
 
 
-def usage_of(prompt_token_counts: list[int], completion_token_counts: list[int]) -> UsageInfo:
-    """Usage: each prompt counted once, completion tokens summed over every choice."""
+def usage_of(
+    prompt_token_counts: list[int],
+    completion_token_counts: list[int],
+    cached_tokens: int | None = None,
+) -> UsageInfo:
+    """Usage: each prompt counted once, completion tokens summed over every choice, and
+    `prompt_tokens_details.cached_tokens` (prefix-cache hits) when `cached_tokens` is given."""
     prompt_tokens = sum(prompt_token_counts)
     completion_tokens = sum(completion_token_counts)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=None
+        if cached_tokens is None
+        else PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
-def results_usage(results: list[PromptResult]) -> UsageInfo:
-    """Usage of a joined answer."""
+def results_usage(results: list[PromptResult], with_details: bool = False) -> UsageInfo:
+    """Usage of a joined answer (with the cached prompt tokens when `with_details`)."""
     return usage_of(
         [len(r.prompt_token_ids) for r in results],
         [len(s.token_ids) for r in results for s in r.samples],
+        sum(r.num_cached_tokens for r in results) if with_details else None,
     )
+
+
+def start_request(
+    ctx: ServerContext, raw: Request, prepare: Callable[[TenantConfig], GenerationJob]
+) -> tuple[Ticket, QosTicket, GenerationJob]:
+    """Admit a generation request (see the module docstring).
+
+    Args:
+        ctx: the server context.
+        raw: the HTTP request (its tenant was set by the auth dependency).
+        prepare: checks and tokenizes the request and builds its job for the tenant.
+
+    Raises:
+        ServerError, SitsError: refusals (503, 429, 400, 404), counted per tenant.
+    """
+    tenant = request_tenant(raw)
+    try:
+        ticket = ctx.lifecycle.admit()
+        try:
+            job = prepare(tenant)
+            prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
+            max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)
+            qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens)
+        except BaseException:
+            ticket.release()
+            raise
+    except Exception as exc:
+        ctx.qos.metrics.count_outcome(tenant.id, outcome_of(exc).value)
+        raise
+    return ticket, qos, job
 
 
 def error_frame(exc: BaseException) -> str:
@@ -188,14 +238,16 @@ def error_frame(exc: BaseException) -> str:
     return sse_event(error_body(to_server_error(exc)))
 
 
-async def _guarded(frames: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass frames through; an exception ends the stream with an error event and [DONE]."""
+async def _guarded(frames: AsyncIterator[str], failures: list[BaseException]) -> AsyncIterator[str]:
+    """Pass frames through; an exception (appended to `failures`) ends the stream with an
+    error event and [DONE]."""
     try:
         async for frame in frames:
             yield frame
     except ClientDisconnected:
         return
     except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
+        failures.append(exc)
         yield error_frame(exc)
         yield DONE_EVENT
 
@@ -204,6 +256,7 @@ async def serve_job(
     ctx: ServerContext,
     raw: Request,
     ticket: Ticket,
+    qos: QosTicket,
     job: GenerationJob,
     *,
     stream: bool,
@@ -213,31 +266,52 @@ async def serve_job(
     """Run an admitted job to an HTTP response (see the module docstring).
 
     Raises:
-        ServerError, SitsError: turned into an OpenAI error body by the app's handlers.
+        ServerError: turned into an OpenAI error body by the app's handlers.
     """
     handed_off = False
+    outcome = Outcome.ABORT
 
-    async def cleanup() -> None:
+    async def cleanup(final: Outcome) -> None:
         try:
             await job.close()
         finally:
             ctx.lifecycle.remove_job(job)
             ticket.release()
+            qos.finish(final, job.used_tokens)
 
     try:
         ctx.lifecycle.add_job(job)
         job.start()
         first = await run_until_disconnect(raw.receive, job.next())
         if stream:
-            frames = _guarded(render_stream(iterate(first, job)))
+            failures: list[BaseException] = []
+            response = SSEResponse(
+                _guarded(render_stream(iterate(first, job)), failures),
+                on_close=lambda: cleanup(_stream_outcome(failures, job)),
+            )
             handed_off = True
-            return SSEResponse(frames, on_close=cleanup)
+            return response
         results = await run_until_disconnect(raw.receive, collect(first, job))
         body = render_final(results)
+        outcome = Outcome.OK
         return Response(content=body.model_dump_json(), media_type="application/json")
     except ClientDisconnected:
         logger.info("client disconnected; request %s aborted", job.request_id)
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    except Exception as exc:
+        outcome = outcome_of(exc)
+        err = to_server_error(exc)
+        if err is exc:
+            raise
+        raise err from exc
     finally:
         if not handed_off:
-            await cleanup()
+            await cleanup(outcome)
+
+
+def _stream_outcome(failures: list[BaseException], job: GenerationJob) -> Outcome:
+    """How a stream ended: its error, every prompt finished, or else an abort (the client
+    left early; a disconnect seen just after the last frame still counts as served)."""
+    if failures:
+        return outcome_of(failures[0])
+    return Outcome.OK if job.all_finished else Outcome.ABORT

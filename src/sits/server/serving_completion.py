@@ -24,13 +24,14 @@ from sits.core.errors import InvalidParameterError
 from sits.core.outputs import Logprob
 from sits.core.sampling_params import SamplingParams
 from sits.server.context import ServerContext
-from sits.server.jobs import EnginePrompt
+from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.logprobs import CompletionLogprobsBuilder, PositionLogprobs
 from sits.server.params import (
     check_completion_request,
     completion_sampling_params,
     resolve_max_tokens,
 )
+from sits.server.protocol import UsageInfo
 from sits.server.protocol_completion import (
     CompletionChoice,
     CompletionRequest,
@@ -46,9 +47,11 @@ from sits.server.serving_common import (
     encode_prompt,
     results_usage,
     serve_job,
+    start_request,
     usage_of,
 )
 from sits.server.sse import DONE_EVENT, sse_event
+from sits.tenancy import TenantConfig
 
 
 def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -100,6 +103,7 @@ class _CompletionRenderer:
         self.created = int(time.time())
         self.n = req.n
         self.echo = bool(req.echo)
+        self.with_details = ctx.settings.enable_prompt_tokens_details
         self._prompt_texts: dict[int, str] = {}
 
     def prompt_text(self, index: int) -> str:
@@ -157,7 +161,7 @@ class _CompletionRenderer:
             created=self.created,
             model=self.ctx.model_name,
             choices=choices,
-            usage=results_usage(results),
+            usage=results_usage(results, self.with_details),
         )
 
     # --- stream ----------------------------------------------------------------------------
@@ -169,9 +173,16 @@ class _CompletionRenderer:
         completion_counts = [0] * (len(self.prompts) * self.n)
         builders: dict[int, CompletionLogprobsBuilder | None] = {}
         prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
+        cached: dict[int, int] = {}
         builder_wanted = self.req.logprobs is not None
+
+        def usage() -> UsageInfo:
+            num_cached = sum(cached.values()) if self.with_details else None
+            return usage_of(prompt_counts, completion_counts, num_cached)
+
         async for p_index, output in items:
             check_output(output)
+            cached[p_index] = output.num_cached_tokens
             if output.prompt_logprobs is not None:
                 prompt_logprobs[p_index] = list(output.prompt_logprobs)
             for delta in output.outputs:
@@ -204,7 +215,7 @@ class _CompletionRenderer:
                             stop_reason=delta.stop_reason,
                         )
                     ],
-                    usage=usage_of(prompt_counts, completion_counts) if continuous else None,
+                    usage=usage() if continuous else None,
                 )
                 yield sse_event(chunk)
         if include_usage:
@@ -214,7 +225,7 @@ class _CompletionRenderer:
                     created=self.created,
                     model=self.ctx.model_name,
                     choices=[],
-                    usage=usage_of(prompt_counts, completion_counts),
+                    usage=usage(),
                 )
             )
         yield DONE_EVENT
@@ -243,21 +254,24 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     Raises:
         ServerError, InvalidParameterError, PromptTooLongError: as OpenAI error bodies.
     """
-    ctx.check_model(req.model)
-    ticket = ctx.lifecycle.admit()
-    try:
+    prompts: list[EnginePrompt] = []
+
+    def prepare(tenant: TenantConfig) -> GenerationJob:
+        ctx.check_model(req.model)
         check_completion_request(req)
         base = completion_sampling_params(req, req.max_tokens)
-        prompts = build_prompts(req, ctx, base)
-        job = ctx.new_job("cmpl", prompts, priority=req.priority, cache_salt=req.cache_salt)
-    except BaseException:
-        ticket.release()
-        raise
+        prompts.extend(build_prompts(req, ctx, base))
+        return ctx.new_job(
+            "cmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
+        )
+
+    ticket, qos, job = start_request(ctx, raw, prepare)
     renderer = _CompletionRenderer(ctx, req, prompts, job.request_id)
     return await serve_job(
         ctx,
         raw,
         ticket,
+        qos,
         job,
         stream=bool(req.stream),
         render_stream=renderer.stream,

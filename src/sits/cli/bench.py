@@ -1,0 +1,40 @@
+"""`sits bench serve | qos`: benchmarks from the command line (code in `sits.bench`).
+
+- `serve`: online serving benchmark against any OpenAI-compatible server (Poisson arrivals,
+  TTFT/TPOT/ITL/E2E percentiles, throughput, goodput, per-tenant SLO attainment with
+  `--tenants-mix`); see `sits.bench.serve`.
+- `qos`: starts `sits serve` with and without tenant QoS and runs the same tenant mix against
+  both; see `sits.bench.qos_compare`.
+`throughput` (offline) and `latency` (fixed batch) join here as further subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `bench` with its subcommands to an argparse subparsers object; returns its parser."""
+    from sits.bench.qos_compare import add_qos_args, run_qos
+    from sits.bench.serve import DESCRIPTION, add_serve_bench_args, run_serve_bench
+
+    p = subparsers.add_parser("bench", help="benchmarks (online serving, QoS comparison)")
+    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{serve,qos}")
+    serve = sub.add_parser(
+        "serve",
+        help="online serving benchmark against an OpenAI-compatible server",
+        description=DESCRIPTION,
+    )
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=run_serve_bench)
+    qos = sub.add_parser(
+        "qos",
+        help="the same tenant mix against sits with QoS (--tenants) and plain FCFS",
+        description="Start `sits serve` with --tenants and without, run one --tenants-mix "
+        "workload against each, and print per-tenant SLO attainment side by side with the "
+        "output throughput ratio QoS/FCFS.",
+    )
+    add_qos_args(qos)
+    qos.set_defaults(func=run_qos)
+    return p

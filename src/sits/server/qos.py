@@ -1,0 +1,351 @@
+"""Per-request quality of service in front of the engine: tenants, breaker, overload, rate limits.
+
+`ServerQos.admit` runs, for a request already authenticated and tokenized, in this order (the
+first refusal answers, and a refused request consumes nothing; a half-open probe is handed
+back):
+1. circuit breaker `allow()`: open -> 503, code "circuit_open", Retry-After;
+2. overload policy for the tenant's tier and quota in the current state: shed (red, and the
+   tenant is best-effort or would borrow) -> 503, code "overloaded", Retry-After; yellow's
+   "defer" admits: the engine's borrowing tiers make such work wait (`apply_borrowing`);
+3. `AdmissionController.try_admit`: 429 (Retry-After, retry-after-ms, x-ratelimit-*) or 400
+   for per-request limits with the parameter named.
+`QosTicket.finish(outcome, used_tokens)` runs exactly once per admitted request (the serving
+code calls it in a `finally`): it returns the admission ticket with the real usage (the token
+bucket is reconciled), reports the outcome to the breaker (success for a served request,
+failure for an engine error; client errors and disconnects say nothing about the engine, so a
+probe is handed back) and counts the outcome per tenant.
+A tenant "would borrow" when it holds at least its reserved KV blocks or sequence slots (the
+engine's per-tenant stats); without configured tenants in the engine nobody borrows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from sits.admission import (
+    AdmissionController,
+    AdmissionDecision,
+    AdmissionTicket,
+    BreakerConfig,
+    CircuitBreaker,
+    Clock,
+    OverloadMonitor,
+    OverloadPolicy,
+    OverloadSignals,
+    OverloadState,
+    OverloadThresholds,
+    RejectReason,
+    ratelimit_headers,
+    retry_after_headers,
+)
+from sits.core.errors import EngineDeadError, SitsError
+from sits.server.engine_client import EngineClient
+from sits.server.errors import ServerError
+from sits.server.tenant_metrics import TenantMetrics
+from sits.tenancy import TenantConfig, TenantsConfig, Tier
+
+logger = logging.getLogger(__name__)
+
+# ServerError codes of 503s that are not engine failures.
+_NOT_ENGINE_FAILURES = frozenset({"draining", "overloaded", "circuit_open"})
+_ALL_TIERS = frozenset(tier.value for tier in Tier)
+_GUARANTEED_ONLY = frozenset({Tier.GUARANTEED.value})
+
+
+class Outcome(StrEnum):
+    """How a request ended (the `outcome` label of `sits:tenant_requests_total`)."""
+
+    OK = "ok"
+    BAD_REQUEST = "400"  # any client error but 429
+    RATE_LIMITED = "429"
+    UNAVAILABLE = "503"  # draining, overload shedding, open breaker
+    ERROR = "error"  # the engine failed (5xx, engine death)
+    ABORT = "abort"  # the client went away
+
+
+def is_engine_failure(exc: BaseException) -> bool:
+    """True when `exc` says the engine failed (what the circuit breaker counts)."""
+    if isinstance(exc, EngineDeadError):
+        return True
+    if isinstance(exc, ServerError):
+        return exc.status >= 500 and exc.code not in _NOT_ENGINE_FAILURES
+    return not isinstance(exc, SitsError)
+
+
+def outcome_of(exc: BaseException) -> Outcome:
+    """The outcome of a request that ended with `exc`."""
+    if is_engine_failure(exc):
+        return Outcome.ERROR
+    status = exc.status if isinstance(exc, ServerError) else 400
+    if status == 429:
+        return Outcome.RATE_LIMITED
+    if status == 503:
+        return Outcome.UNAVAILABLE
+    return Outcome.BAD_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class QosSettings:
+    """Admission, breaker and overload options of a server.
+
+    Attributes:
+        rate_limit_period_s: refill window of the per-minute limits (60; shorter for tests).
+        concurrency_retry_after_s: Retry-After of a max_concurrent rejection, >= 1.
+        breaker: circuit breaker limits.
+        overload: overload thresholds (queue delay, KV usage, predicted TTFT / SLO).
+        shed_retry_after_s: Retry-After of a request shed in red, >= 1.
+        overload_poll_s: how often the overload watcher samples the engine.
+        prefill_rate_alpha: EMA weight of a new prefill-rate sample, in (0, 1].
+        clock: time source of rate limits, breaker and overload hold times (None: monotonic).
+    """
+
+    rate_limit_period_s: float = 60.0
+    concurrency_retry_after_s: int = 1
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    overload: OverloadThresholds = field(default_factory=OverloadThresholds)
+    shed_retry_after_s: int = 5
+    overload_poll_s: float = 0.25
+    prefill_rate_alpha: float = 0.2
+    clock: Clock | None = None
+
+
+class QosTicket:
+    """An admitted request's QoS state; `finish` (idempotent) ends it.
+
+    Attributes:
+        tenant: the request's tenant.
+        admission: the admission ticket (returned by `finish`).
+        is_probe: the request is the breaker's half-open probe.
+    """
+
+    def __init__(
+        self, qos: ServerQos, tenant: TenantConfig, admission: AdmissionTicket, is_probe: bool
+    ) -> None:
+        self._qos = qos
+        self.tenant = tenant
+        self.admission = admission
+        self.is_probe = is_probe
+        self.finished = False
+
+    def finish(self, outcome: Outcome, used_tokens: int) -> None:
+        """End the request: reconcile tokens, report to the breaker, count the outcome.
+
+        Args:
+            outcome: how it ended.
+            used_tokens: prompt + completion tokens it really consumed (>= 0).
+        """
+        if self.finished:
+            return
+        self.finished = True
+        qos = self._qos
+        qos.admission.release(self.admission, max(used_tokens, 0))
+        if outcome is Outcome.OK:
+            qos.breaker.record_success()
+        elif outcome is Outcome.ERROR:
+            qos.breaker.record_failure()
+        elif self.is_probe:
+            qos.breaker.release_probe()
+        qos.metrics.count_outcome(self.tenant.id, outcome.value)
+
+
+class ServerQos:
+    """The server's tenants, admission controller, circuit breaker and overload state.
+
+    Args:
+        engine: the engine front end (its stats give per-tenant usage; its
+            `set_borrowing_tiers`, when it has one, receives the overload decisions).
+        tenants: every tenant (`TenantsConfig.default(api_key)` without `--tenants`).
+        settings: limits, clock and periods.
+        metrics: per-tenant metrics (outcomes are counted here).
+        isolate_prefix_cache: salt the prefix cache with the tenant id (with `--tenants`).
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tenants: TenantsConfig,
+        settings: QosSettings,
+        metrics: TenantMetrics,
+        *,
+        isolate_prefix_cache: bool,
+    ) -> None:
+        self.engine = engine
+        self.tenants = tenants
+        self.settings = settings
+        self.metrics = metrics
+        self.isolate_prefix_cache = isolate_prefix_cache
+        clock = settings.clock
+        self.admission = AdmissionController(
+            tenants,
+            clock,
+            period_s=settings.rate_limit_period_s,
+            concurrency_retry_after_s=settings.concurrency_retry_after_s,
+        )
+        self.breaker = CircuitBreaker(settings.breaker, clock)
+        self.monitor = OverloadMonitor(settings.overload, clock)
+        self.policy = OverloadPolicy(settings.shed_retry_after_s)
+        self._override: OverloadState | None = None
+        self._applied_tiers = _ALL_TIERS
+
+    # --- tenants ---------------------------------------------------------------------------
+    def authenticate(self, api_key: str | None) -> TenantConfig | None:
+        """The tenant of `api_key` (or the anonymous tenant); None means 401."""
+        return self.tenants.authenticate(api_key)
+
+    def cache_salt(self, tenant: TenantConfig, request_salt: str | None) -> str | None:
+        """The prefix-cache namespace of a request.
+
+        With isolation: the tenant id, joined with the request's own `cache_salt` by a unit
+        separator (tenant ids never contain one), so a tenant never hits another's prefixes.
+        Without: the request's `cache_salt` unchanged.
+        """
+        if not self.isolate_prefix_cache:
+            return request_salt
+        return tenant.id if request_salt is None else f"{tenant.id}\x1f{request_salt}"
+
+    def ratelimit_headers(self, tenant: TenantConfig) -> dict[str, str]:
+        """The tenant's x-ratelimit-* headers now ({} for a tenant without rate limits)."""
+        if tenant.requests_per_minute is None and tenant.tokens_per_minute is None:
+            return {}
+        return ratelimit_headers(self.admission.snapshot(tenant))
+
+    # --- overload --------------------------------------------------------------------------
+    @property
+    def overload_state(self) -> OverloadState:
+        """The forced state when one is set (`force_overload_state`), else the monitor's."""
+        return self._override or self.monitor.state
+
+    def observe(self, signals: OverloadSignals) -> OverloadState:
+        """Feed the monitor one measurement and apply the resulting state; returns it."""
+        self.monitor.update(signals)
+        state = self.overload_state
+        self.apply_borrowing(state)
+        return state
+
+    def force_overload_state(self, state: OverloadState | None) -> None:
+        """Pin the overload state (operators, tests); None returns to the measured state.
+
+        The engine's borrowing tiers follow at once.
+        """
+        self._override = state
+        self.apply_borrowing(self.overload_state)
+
+    def apply_borrowing(self, state: OverloadState) -> None:
+        """Green: every tier may borrow; yellow and red: only guaranteed tenants (best-effort
+        work waits and burstable borrowing stops). Sent to the engine only on a change."""
+        tiers = _ALL_TIERS if state is OverloadState.GREEN else _GUARANTEED_ONLY
+        if tiers == self._applied_tiers:
+            return
+        setter = getattr(self.engine, "set_borrowing_tiers", None)
+        if setter is None:
+            return
+        try:
+            setter(tiers)
+        except Exception:  # noqa: BLE001 - a dead engine refuses nothing more
+            logger.warning("could not set the engine's borrowing tiers", exc_info=True)
+            return
+        self._applied_tiers = tiers
+        logger.info("overload %s: tiers allowed to borrow: %s", state.value, sorted(tiers))
+
+    def counts_toward_load(self, tenant_id: str, tenant_stats: Mapping[str, Any]) -> bool:
+        """Does the tenant's queued work count in the overload signals now?
+
+        In green, everyone's does. In yellow and red only work the engine may start: a
+        guaranteed tenant's, or a tenant's with reserved blocks and slots still free (from
+        `tenant_stats`, the engine's per-tenant stats); a tenant not configured counts.
+        """
+        if self.overload_state is OverloadState.GREEN:
+            return True
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None or tenant.tier is Tier.GUARANTEED:
+            return True
+        own = tenant_stats.get(tenant_id)
+        if own is None:
+            return tenant.tier is not Tier.BEST_EFFORT
+        return own.blocks_used < own.blocks_reserved and own.num_running < own.seqs_reserved
+
+    def would_borrow(self, tenant: TenantConfig) -> bool:
+        """True when new work of the tenant would go beyond its reservation (see module)."""
+        try:
+            stats = getattr(self.engine.stats(), "tenants", None) or {}
+        except Exception:  # noqa: BLE001 - no stats: treat as within the reservation
+            return False
+        own = stats.get(tenant.id)
+        if own is None:
+            return False
+        return own.blocks_used >= own.blocks_reserved or own.num_running >= own.seqs_reserved
+
+    # --- admission -------------------------------------------------------------------------
+    def admit(self, tenant: TenantConfig, prompt_tokens: int, max_tokens: int) -> QosTicket:
+        """Admit one request (checks in the module docstring's order).
+
+        Args:
+            tenant: the authenticated tenant.
+            prompt_tokens: the request's prompt tokens (all its prompts).
+            max_tokens: the most tokens it may generate (all prompts and samples).
+
+        Raises:
+            ServerError: 503 (breaker open, overload shedding), 429 (rate or concurrency
+                limit) or 400 (a per-request limit), with Retry-After / x-ratelimit headers.
+        """
+        breaker = self.breaker.allow()
+        if not breaker.allowed:
+            retry_s = breaker.retry_after_s or 1
+            raise ServerError(
+                503,
+                "The engine is failing; requests are refused while it recovers (circuit "
+                f"breaker open). Retry after {retry_s} s.",
+                type="service_unavailable_error",
+                code="circuit_open",
+                headers=retry_after_headers(retry_s),
+            )
+        try:
+            self._check_overload(tenant)
+            decision = self.admission.try_admit(tenant, prompt_tokens, max_tokens)
+        except BaseException:
+            if breaker.is_probe:
+                self.breaker.release_probe()
+            raise
+        if decision.ticket is None:
+            if breaker.is_probe:
+                self.breaker.release_probe()
+            raise _rejection(decision)
+        return QosTicket(self, tenant, decision.ticket, breaker.is_probe)
+
+    def _check_overload(self, tenant: TenantConfig) -> None:
+        state = self.overload_state
+        if state is OverloadState.GREEN:
+            return
+        over_quota = tenant.tier is Tier.BEST_EFFORT or self.would_borrow(tenant)
+        decision = self.policy.admit(state, tenant.tier, over_quota)
+        if decision.admitted:
+            return
+        retry_s = decision.retry_after_s or 1
+        raise ServerError(
+            503,
+            f"The server is overloaded ({state.value}): new work of tenant '{tenant.id}' "
+            f"({tenant.tier.value}, beyond its reservation) is shed. Retry after {retry_s} s.",
+            type="service_unavailable_error",
+            code="overloaded",
+            headers=retry_after_headers(retry_s),
+        )
+
+
+def _rejection(decision: AdmissionDecision) -> ServerError:
+    """The ServerError of an admission refusal (429 retryable, 400 per-request limit)."""
+    reason, message = decision.reason, decision.message
+    assert reason is not None
+    headers = ratelimit_headers(decision)
+    if reason.retryable:
+        kind = "tokens" if reason is RejectReason.TOKENS else "requests"
+        code = (
+            "concurrency_limit_exceeded"
+            if reason is RejectReason.CONCURRENCY
+            else "rate_limit_exceeded"
+        )
+        return ServerError(429, message, type=kind, code=code, headers=headers)
+    return ServerError(400, message, param=decision.param, code=reason.value, headers=headers)

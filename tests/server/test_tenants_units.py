@@ -1,0 +1,221 @@
+"""Server QoS pieces without a server: admission order, tickets, overload signals and watcher,
+outcome classification, cache salts, settings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sits.admission import (
+    BreakerConfig,
+    BreakerState,
+    FakeClock,
+    OverloadState,
+    OverloadThresholds,
+)
+from sits.core.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
+from sits.engine.core import WaitingLoad
+from sits.server.context import ServerSettings
+from sits.server.errors import ServerError
+from sits.server.lifecycle import draining_error
+from sits.server.overload_watch import OverloadWatcher, PrefillRateEstimator, overload_signals
+from sits.server.qos import Outcome, QosSettings, ServerQos, is_engine_failure, outcome_of
+from sits.server.tenant_metrics import TenantMetrics
+from sits.tenancy import TenantsConfig, Tier
+from tests.server.tenant_fixtures import tenant
+
+TENANTS = TenantsConfig(
+    (
+        tenant("gold", tier=Tier.GUARANTEED, reserved_kv_fraction=0.5, ttft_ms=1000),
+        tenant("bulk", tier=Tier.BURSTABLE, reserved_kv_fraction=0.2, requests_per_minute=6),
+        tenant("free", tier=Tier.BEST_EFFORT, requests_per_minute=6, tokens_per_minute=1000),
+    )
+)
+
+
+def _sched(used: int, reserved: int, running: int = 0, seqs: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(
+        blocks_used=used, blocks_reserved=reserved, num_running=running, seqs_reserved=seqs
+    )
+
+
+class FakeEngine:
+    """Stats and borrowing tiers only."""
+
+    def __init__(self) -> None:
+        self.tiers_set: list[frozenset[str]] = []
+        self.snapshot = SimpleNamespace(
+            tenants={"gold": _sched(0, 50), "bulk": _sched(0, 20), "free": _sched(0, 0)},
+            waiting={},
+            kv_cache_usage=0.0,
+            num_prefill_tokens=0,
+            prefill_busy_s=0.0,
+        )
+
+    def stats(self) -> SimpleNamespace:
+        return self.snapshot
+
+    def set_borrowing_tiers(self, tiers) -> None:
+        self.tiers_set.append(frozenset(tiers))
+
+
+def _qos(clock: FakeClock, engine: FakeEngine | None = None) -> ServerQos:
+    settings = QosSettings(
+        breaker=BreakerConfig(max_consecutive_failures=1, open_s=10), clock=clock
+    )
+    metrics = TenantMetrics(CollectorRegistry(), "m", TENANTS)
+    return ServerQos(engine or FakeEngine(), TENANTS, settings, metrics, isolate_prefix_cache=True)
+
+
+def test_breaker_is_checked_first_and_a_refusal_consumes_nothing() -> None:
+    clock = FakeClock()
+    qos = _qos(clock)
+    ticket = qos.admit(TENANTS.get("free"), 10, 10)
+    ticket.finish(Outcome.ERROR, 5)  # one failure opens this breaker
+    assert qos.breaker.state is BreakerState.OPEN
+    with pytest.raises(ServerError) as err:
+        qos.admit(TENANTS.get("free"), 10, 10)
+    assert err.value.status == 503 and err.value.code == "circuit_open"
+    assert err.value.headers == {"Retry-After": "10", "retry-after-ms": "10000"}
+    snapshot = qos.admission.snapshot("free")
+    assert snapshot.remaining_requests == 5  # only the first request was charged
+    assert snapshot.remaining_tokens == 1000 - 5  # reconciled to its real usage
+    clock.advance(10)  # half-open: a probe refused by the rate limit is handed back
+    with pytest.raises(ServerError) as err:
+        qos.admit(TENANTS.get("free"), 10, 2000)
+    assert err.value.status == 400 and err.value.param == "max_tokens"
+    probe = qos.admit(TENANTS.get("free"), 10, 10)
+    assert probe.is_probe
+    probe.finish(Outcome.OK, 20)
+    assert qos.breaker.state is BreakerState.CLOSED
+
+
+def test_red_sheds_by_tier_and_quota_before_rate_limits() -> None:
+    engine = FakeEngine()
+    qos = _qos(FakeClock(), engine)
+    qos.force_overload_state(OverloadState.RED)
+    assert engine.tiers_set == [frozenset({"guaranteed"})]
+    with pytest.raises(ServerError) as err:
+        qos.admit(TENANTS.get("free"), 1, 1)
+    assert (err.value.status, err.value.code) == (503, "overloaded")
+    assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
+    assert qos.admission.snapshot("free").remaining_requests == 6  # nothing consumed
+    qos.admit(TENANTS.get("bulk"), 1, 1).finish(Outcome.OK, 2)  # within its reservation
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # holds its whole reservation
+    with pytest.raises(ServerError):
+        qos.admit(TENANTS.get("bulk"), 1, 1)
+    engine.snapshot.tenants["gold"] = _sched(10, 50)
+    qos.admit(TENANTS.get("gold"), 1, 1).finish(Outcome.OK, 2)
+    qos.force_overload_state(OverloadState.YELLOW)  # defer: admitted, the engine holds it
+    qos.admit(TENANTS.get("free"), 1, 1).finish(Outcome.ABORT, 0)
+    qos.force_overload_state(None)
+    assert engine.tiers_set[-1] == frozenset({"guaranteed", "burstable", "best_effort"})
+
+
+def test_rate_limit_rejection_is_429_with_headers_and_finish_is_idempotent() -> None:
+    qos = _qos(FakeClock())
+    free = TENANTS.get("free")
+    tickets = [qos.admit(free, 1, 1) for _ in range(6)]
+    with pytest.raises(ServerError) as err:
+        qos.admit(free, 1, 1)
+    assert (err.value.status, err.value.type, err.value.code) == (
+        429,
+        "requests",
+        "rate_limit_exceeded",
+    )
+    headers = err.value.headers
+    assert headers["Retry-After"] == "10" and headers["retry-after-ms"] == "10000"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    tickets[0].finish(Outcome.OK, 2)
+    tickets[0].finish(Outcome.OK, 2)
+    assert qos.admission.stats(free).num_running == 5
+    assert qos.ratelimit_headers(TENANTS.get("gold")) == {}
+    assert qos.ratelimit_headers(free)["x-ratelimit-limit-tokens"] == "1000"
+
+
+def test_outcomes_and_engine_failures() -> None:
+    cases = [
+        (RuntimeError("x"), Outcome.ERROR, True),
+        (EngineDeadError("x"), Outcome.ERROR, True),
+        (ServerError(500, "x"), Outcome.ERROR, True),
+        (draining_error(), Outcome.UNAVAILABLE, False),
+        (ServerError(503, "x", code="overloaded"), Outcome.UNAVAILABLE, False),
+        (ServerError(429, "x"), Outcome.RATE_LIMITED, False),
+        (ServerError(404, "x"), Outcome.BAD_REQUEST, False),
+        (PromptTooLongError("x"), Outcome.BAD_REQUEST, False),
+        (InvalidParameterError("p", "x"), Outcome.BAD_REQUEST, False),
+    ]
+    for exc, outcome, failure in cases:
+        assert (outcome_of(exc), is_engine_failure(exc)) == (outcome, failure), exc
+
+
+def test_cache_salt_namespaces_tenants() -> None:
+    qos = _qos(FakeClock())
+    gold, bulk = TENANTS.get("gold"), TENANTS.get("bulk")
+    assert qos.cache_salt(gold, None) == "gold"
+    assert qos.cache_salt(gold, "x") == "gold\x1fx" != qos.cache_salt(bulk, "x")
+    qos.isolate_prefix_cache = False
+    assert qos.cache_salt(gold, None) is None and qos.cache_salt(gold, "x") == "x"
+
+
+def test_settings_refuse_an_api_key_with_tenants() -> None:
+    with pytest.raises(InvalidParameterError, match="exclude each other"):
+        ServerSettings(api_key="k", tenants=TENANTS)
+    default = ServerSettings(api_key="k").tenants_config()
+    assert default.ids == ("default",) and default.requires_auth
+    assert not ServerSettings().tenants_config().requires_auth
+
+
+def test_prefill_rate_is_an_ema_of_measured_samples() -> None:
+    est = PrefillRateEstimator(alpha=0.5)
+    assert est.update(100, 1.0) is None  # baseline only
+    assert est.update(100, 1.0) is None  # nothing computed since
+    assert est.update(1100, 2.0) == 1000.0  # first sample: 1000 tokens in 1 s
+    assert est.update(1100, 3.0) == 1000.0  # busy without prefill: no sample
+    assert est.update(1600, 3.25) == 0.5 * 2000.0 + 0.5 * 1000.0
+    with pytest.raises(InvalidParameterError):
+        PrefillRateEstimator(alpha=0)
+
+
+def test_signals_count_only_the_work_the_engine_may_start() -> None:
+    stats = SimpleNamespace(
+        kv_cache_usage=0.5,
+        waiting={
+            "gold": WaitingLoad(oldest_arrival_s=98.0, num_prefill_tokens=300),
+            "free": WaitingLoad(oldest_arrival_s=90.0, num_prefill_tokens=700),
+            "bulk": WaitingLoad(oldest_arrival_s=None, num_prefill_tokens=100),
+        },
+    )
+    every = overload_signals(stats, 100.0, 1000.0, 500.0)
+    assert (every.queue_delay_s, every.predicted_ttft_s, every.kv_usage) == (10.0, 1.1, 0.5)
+    assert every.ttft_ratio == pytest.approx(2.2)
+    gold = overload_signals(stats, 100.0, 1000.0, 500.0, lambda t: t == "gold")
+    assert (gold.queue_delay_s, gold.predicted_ttft_s) == (2.0, 0.3)
+    unmeasured = overload_signals(stats, 100.0, None, None)
+    assert (unmeasured.predicted_ttft_s, unmeasured.ttft_ratio) == (0.0, 0.0)
+
+
+def test_watcher_steps_up_defers_and_recovers() -> None:
+    clock = FakeClock(100.0)
+    engine = FakeEngine()
+    qos = _qos(clock, engine)
+    watcher = OverloadWatcher(engine, qos)
+    assert watcher.tick(now_s=100.0) is OverloadState.GREEN and engine.tiers_set == []
+    # A best-effort request waits 2 s (yellow threshold 1 s): yellow, borrowing stops.
+    engine.snapshot.waiting = {"free": WaitingLoad(98.0, 50)}
+    assert watcher.tick(now_s=100.0) is OverloadState.YELLOW
+    assert engine.tiers_set == [frozenset({"guaranteed"})]
+    # Deferred on purpose, its wait no longer counts: calm, and green after the hold.
+    assert watcher.tick(now_s=110.0) is OverloadState.YELLOW
+    clock.advance(OverloadThresholds().hold_s)
+    assert watcher.tick(now_s=115.0) is OverloadState.GREEN
+    assert engine.tiers_set[-1] == frozenset({"guaranteed", "burstable", "best_effort"})
+    # Measured prefill of 1000 tokens/s and 2500 guaranteed tokens queued against a 1 s
+    # TTFT SLO: predicted 2.5 s, ratio 2.5 >= 2: red.
+    engine.snapshot.num_prefill_tokens, engine.snapshot.prefill_busy_s = 1000, 1.0
+    engine.snapshot.waiting = {"gold": WaitingLoad(None, 2500)}
+    assert watcher.tick(now_s=116.0) is OverloadState.RED
+    assert watcher.snapshot() == (watcher.last_signals, 1000.0)
+    assert watcher.last_signals.predicted_ttft_s == 2.5
