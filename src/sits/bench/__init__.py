@@ -1,0 +1,19 @@
+"""Benchmarks of sits (and of any OpenAI-compatible server): reusable pieces.
+
+- `workload`: client tenants and their seeded Poisson (or gamma) arrival schedules;
+- `mix`: the `--tenants-mix` TOML file (client tenants with their own rates and SLOs);
+- `prompts`: prompts of about N tokens for the served model (token ids or calibrated text);
+- `probe`: before the run, find the model and choose and calibrate the prompt form;
+- `client`: the async streaming client that times one request (TTFT, ITL, E2E);
+- `records`: what was measured for one request; `metrics`: percentiles, TPOT, SLO
+  attainment and goodput from records;
+- `runner`: one run (probe, warm-up, send on schedule, collect); `errors`: BenchmarkError;
+- `report`: the machine description, the JSON result and the tables printed from it;
+- `serve`: `sits bench serve` (flags and the run);
+- `server_proc`, `qos_compare`: `sits bench qos`, the same tenant mix against `sits serve`
+  subprocesses with and without QoS.
+
+Nothing here imports the engine, the server or torch at import time (torch is only looked at,
+lazily, to name the GPU in a report), so the client runs against a remote server from any
+machine with httpx.
+"""

@@ -1,0 +1,228 @@
+"""The serving benchmark's result: a JSON document and the tables printed from it.
+
+The printed report is rendered from the JSON document, so both always agree. Schema
+`sits.bench.serve/1` (times in ms, rates per second, attainment in %):
+```
+{"schema": "sits.bench.serve/1", "command": str, "date": ISO-8601 UTC,
+ "machine": {"hostname", "platform", "python", "cpu", "num_cpus", "torch", "gpus": [str]},
+ "server": {"base_url", "endpoint", "model", "model_card": {...}},
+ "config": {"seed", "max_concurrency", "ignore_eos", "prompt_format", "stream_usage",
+            "request_timeout_s", "tenants_mix", "warmup_requests"},
+ "prompts": {"mode": "token_ids" | "text", ...},
+ "duration_s": float,
+ "tenants": [{"name", "request_rate" (number or "inf"), "num_prompts", "duration_s",
+              "input_len", "output_len", "ttft_ms", "tpot_ms", "burstiness",
+              "summary": Summary}],
+ "totals": Summary,
+ "requests": [RequestRecord.to_json()]}
+```
+`Summary` is `sits.bench.metrics.Summary.to_json()`. API keys are never written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import math
+import os
+import platform
+import shlex
+import socket
+import sys
+from typing import Any
+
+from sits.bench.metrics import summarize, summarize_by_tenant
+from sits.bench.runner import RunResult
+from sits.bench.workload import TenantLoad
+
+SCHEMA = "sits.bench.serve/1"
+_LAT_KEYS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(include_gpu: bool = True) -> dict[str, Any]:
+    """Where the benchmark client ran: host, OS, Python, CPU, and the GPUs torch sees.
+
+    torch is imported only here and only when installed and `include_gpu`; a missing or
+    CPU-only torch gives `"gpus": []`.
+    """
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "num_cpus": os.cpu_count(),
+        "torch": None,
+        "gpus": [],
+    }
+    if include_gpu and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def _rate(value: float) -> float | str:
+    return "inf" if math.isinf(value) else value
+
+
+def tenant_json(tenant: TenantLoad) -> dict[str, Any]:
+    """A tenant's workload as JSON (without its API key)."""
+    return {
+        "name": tenant.name,
+        "request_rate": _rate(tenant.request_rate),
+        "num_prompts": tenant.num_prompts if tenant.duration_s is None else None,
+        "duration_s": tenant.duration_s,
+        "input_len": tenant.input_len,
+        "output_len": tenant.output_len,
+        "ttft_ms": tenant.ttft_ms,
+        "tpot_ms": tenant.tpot_ms,
+        "burstiness": tenant.burstiness,
+    }
+
+
+def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document of a run (schema in the module docstring)."""
+    config = result.config
+    names = [t.name for t in config.tenants]
+    per_tenant = summarize_by_tenant(result.records, result.duration_s, names)
+    date = datetime.datetime.fromtimestamp(result.started_at_unix_s, datetime.UTC)
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "date": date.isoformat(timespec="seconds"),
+        "machine": machine,
+        "server": {
+            "base_url": config.base_url,
+            "endpoint": config.endpoint,
+            "model": result.model,
+            "model_card": result.model_card,
+        },
+        "config": {
+            "seed": config.seed,
+            "max_concurrency": config.max_concurrency,
+            "ignore_eos": config.ignore_eos,
+            "prompt_format": config.prompt_format,
+            "stream_usage": config.stream_usage,
+            "request_timeout_s": config.request_timeout_s,
+            "tenants_mix": config.tenants_mix,
+            "warmup_requests": config.warmup_requests,
+        },
+        "prompts": result.prompts,
+        "duration_s": result.duration_s,
+        "tenants": [
+            {**tenant_json(t), "summary": per_tenant[t.name].to_json()} for t in config.tenants
+        ],
+        "totals": summarize(result.records, result.duration_s).to_json(),
+        "requests": [r.to_json() for r in result.records],
+    }
+
+
+def command_line() -> str:
+    """The exact command that is running, shell-quoted (`python -m MODULE ...` when run as a
+    module, where argv[0] would be the module's file)."""
+    argv = list(sys.argv)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name and argv:
+        argv = ["python", "-m", spec.name.removesuffix(".__main__"), *argv[1:]]
+    return shlex.join(argv)
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A number with `digits` decimals, or "-" for None."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    gpus = machine.get("gpus") or []
+    gpu = f"{len(gpus)}x {gpus[0]}" if gpus else "no GPU"
+    return f"{machine.get('cpu')} ({machine.get('num_cpus')} CPUs), {gpu}"
+
+
+def format_totals(doc: dict[str, Any]) -> list[str]:
+    """The headline block and latency table of a run's JSON document."""
+    t = doc["totals"]
+    rows = [
+        ("Command", doc["command"]),
+        ("Machine", _machine_line(doc["machine"])),
+        ("Server / model", f"{doc['server']['base_url']}{doc['server']['endpoint']}  "
+                           f"{doc['server']['model']}"),
+        ("Prompts", ", ".join(f"{k}={v}" for k, v in doc["prompts"].items())),
+        ("Requests sent / completed", f"{t['num_requests']} / {t['completed']}"),
+        ("Failed (429 / 503 / other)", f"{t['failed_429']} / {t['failed_503']} / "
+                                       f"{t['failed_other']}"),
+        ("Benchmark duration (s)", fmt(doc["duration_s"])),
+        ("Total input / output tokens", f"{t['total_input_tokens']} / {t['total_output_tokens']}"),
+        ("Request throughput (req/s)", fmt(t["request_throughput"])),
+        ("Output token throughput (tok/s)", fmt(t["output_throughput"])),
+        ("Total token throughput (tok/s)", fmt(t["total_token_throughput"])),
+        ("SLO attainment TTFT/TPOT/both (%)", f"{fmt(t['ttft_attainment_pct'], 1)} / "
+         f"{fmt(t['tpot_attainment_pct'], 1)} / {fmt(t['slo_attainment_pct'], 1)}"),
+        ("Goodput (req/s)", fmt(t["goodput"])),
+    ]  # fmt: skip
+    lines = [" Serving Benchmark Result ".center(72, "=")]
+    lines += [f"{label + ':':<36}{value}" for label, value in rows]
+    lines.append(f"{'(ms)':<10}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}")
+    for label, key in _LAT_KEYS:
+        d = t[key]
+        lines.append(
+            f"{label:<10}{fmt(d['mean']):>12}{fmt(d['p50']):>12}{fmt(d['p90']):>12}"
+            f"{fmt(d['p99']):>12}"
+        )
+    return lines
+
+
+_TENANT_COLUMNS = (
+    ("tenant", 14), ("sent", 6), ("ok", 6), ("429", 5), ("503", 5), ("other", 6),
+    ("TTFT%", 7), ("TPOT%", 7), ("both%", 7), ("goodput", 8), ("out tok/s", 10),
+    ("TTFT p50", 9), ("TTFT p99", 9), ("TPOT p50", 9), ("TPOT p99", 9),
+)  # fmt: skip
+
+
+def tenant_row(name: str, s: dict[str, Any]) -> list[str]:
+    """One per-tenant table row from a Summary's JSON."""
+    return [
+        name, str(s["num_requests"]), str(s["completed"]), str(s["failed_429"]),
+        str(s["failed_503"]), str(s["failed_other"]), fmt(s["ttft_attainment_pct"], 1),
+        fmt(s["tpot_attainment_pct"], 1), fmt(s["slo_attainment_pct"], 1), fmt(s["goodput"]),
+        fmt(s["output_throughput"], 1), fmt(s["ttft_ms"]["p50"], 1), fmt(s["ttft_ms"]["p99"], 1),
+        fmt(s["tpot_ms"]["p50"], 1), fmt(s["tpot_ms"]["p99"], 1),
+    ]  # fmt: skip
+
+
+def format_tenants(doc: dict[str, Any]) -> list[str]:
+    """The per-tenant table (one row per tenant, then the totals)."""
+    widths = [w for _, w in _TENANT_COLUMNS]
+    header = "".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}"
+                     for i, (name, w) in enumerate(_TENANT_COLUMNS))  # fmt: skip
+    lines = [
+        " Per tenant (attainment % of requests sent; latencies in ms) ".center(72, "-"),
+        header,
+    ]
+    rows = [tenant_row(t["name"], t["summary"]) for t in doc["tenants"]]
+    rows.append(tenant_row("TOTAL", doc["totals"]))
+    for row in rows:
+        cells = [f"{row[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(row[1:], widths[1:])]
+        lines.append("".join(cells))
+    return lines
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    """The whole printed report of a run's JSON document."""
+    lines = format_totals(doc)
+    if doc["config"]["tenants_mix"] is not None or len(doc["tenants"]) > 1:
+        lines += format_tenants(doc)
+    lines.append("=" * 72)
+    return "\n".join(lines)
