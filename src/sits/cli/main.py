@@ -12,6 +12,7 @@ from sits.core.errors import SitsError
 def build_parser() -> argparse.ArgumentParser:
     """The `sits` argument parser with every subcommand."""
     from sits import __version__
+    from sits.cli.audit import add_audit_parser
     from sits.cli.bench import add_bench_parser
     from sits.cli.generate import add_generate_parser
     from sits.cli.serve import add_serve_parser
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_tenants_parser(subparsers)
     add_bench_parser(subparsers)
+    add_audit_parser(subparsers)
     return parser
 
 
