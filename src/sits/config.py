@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from sits.core.errors import InvalidParameterError
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: context length limit; defaults to the model's max_position_embeddings.
         kv_cache_memory_bytes: KV cache size; on CPU defaults to 1 GiB.
+        kv_cache_dtype: KV cache storage: "auto" (the model dtype), "fp8" (float8_e4m3fn with
+            per-(layer, KV head) scales) or "int8" (per-token-per-head scales).
         gpu_memory_utilization: on GPU, fraction of the GPU memory the engine may use in all.
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: seed of the engine's random source (unseeded requests draw from it).
@@ -45,6 +48,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -54,6 +58,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise InvalidParameterError(
                 "dtype", f"dtype must be one of {_DTYPES}, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise InvalidParameterError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidParameterError(

@@ -19,6 +19,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    # No argparse `choices`: EngineConfig validates (InvalidParameterError naming the field).
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache storage: auto (model dtype), fp8 (e4m3, per-head scales) or int8",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
@@ -39,6 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len,
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,

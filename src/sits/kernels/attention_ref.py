@@ -1,7 +1,9 @@
 """Plain PyTorch paged attention: the reference every attention kernel is checked against.
 
 KV cache layout of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K,
-1 = V); token slot s lives in block s // block_size at offset s % block_size.
+1 = V); token slot s lives in block s // block_size at offset s % block_size. A layer's cache is
+either that tensor in the model dtype ("auto") or a `QuantizedKVCache` (fp8/int8 data plus
+float32 scales, see `sits.kernels.kv_quant_ref`): writes quantize, reads dequantize to float32.
 
 Invariants:
 - `TorchPagedAttention.forward` writes every K/V of the step before any attention reads the
@@ -20,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from sits.kernels.kv_quant_ref import QuantizedKVCache, gather_kv_dequantized, write_kv_quantized
 
 if TYPE_CHECKING:  # a type only: kernels do not import layers at run time
     from sits.layers.forward_context import AttentionMetadata
@@ -91,7 +95,7 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, scale: float) ->
 
 
 def paged_attention(
-    query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+    query: Tensor, kv_cache: Tensor | QuantizedKVCache, metadata: AttentionMetadata, scale: float
 ) -> Tensor:
     """Causal attention of every sequence's new tokens over its cached and new tokens.
 
@@ -99,7 +103,8 @@ def paged_attention(
 
     Args:
         query: [num_tokens, num_heads, head_dim], the step's flat batch.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], or a quantized cache
+            (dequantized to float32 before the dot products).
         metadata: the step's layout; sequence i's queries are
             query[query_start_loc_cpu[i]:query_start_loc_cpu[i + 1]] and its context is
             seq_lens_cpu[i] tokens long.
@@ -116,7 +121,11 @@ def paged_attention(
         if end == start:
             continue
         assert end - start <= context_len, "a sequence has more new tokens than context"
-        key, value = gather_kv(kv_cache, metadata.block_tables[seq_idx], context_len)
+        block_table = metadata.block_tables[seq_idx]
+        if isinstance(kv_cache, QuantizedKVCache):
+            key, value = gather_kv_dequantized(kv_cache, block_table, context_len)
+        else:
+            key, value = gather_kv(kv_cache, block_table, context_len)
         output[start:end] = causal_attention(query[start:end], key, value, scale).to(query.dtype)
     return output
 
@@ -129,21 +138,25 @@ class TorchPagedAttention:
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        kv_cache: Tensor,
+        kv_cache: Tensor | QuantizedKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> Tensor:
-        """Write key/value at metadata.slot_mapping, then attend.
+        """Write key/value at metadata.slot_mapping (quantized for a quantized cache), then attend.
 
         Args:
             query: [num_tokens, num_heads, head_dim].
             key, value: [num_tokens, num_kv_heads, head_dim].
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], written in place.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype,
+                or a `QuantizedKVCache`; written in place.
             metadata: the step's layout.
             scale: softmax scale.
 
         Returns:
             [num_tokens, num_heads, head_dim], query dtype.
         """
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if isinstance(kv_cache, QuantizedKVCache):
+            write_kv_quantized(kv_cache, key, value, metadata.slot_mapping)
+        else:
+            write_kv(kv_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, kv_cache, metadata, scale)

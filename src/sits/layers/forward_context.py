@@ -8,9 +8,12 @@ reads it, so sequences scheduled in one step may share blocks one of them fills 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from sits.kernels.kv_quant_ref import QuantizedKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class AttentionBackend(Protocol):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        kv_cache: Tensor,
+        kv_cache: Tensor | QuantizedKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> Tensor:
@@ -67,7 +70,8 @@ class AttentionBackend(Protocol):
         Args:
             query: [num_tokens, num_heads, head_dim].
             key, value: [num_tokens, num_kv_heads, head_dim].
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V), or
+                a `QuantizedKVCache` (fp8/int8 data of that shape plus float32 scales).
             metadata: the step's layout.
             scale: softmax scale (usually head_dim ** -0.5).
 
@@ -83,11 +87,12 @@ class ForwardContext:
 
     Attributes:
         attn_metadata: the step's batch layout; None for a forward with no KV cache.
-        kv_caches: one tensor per decoder layer, [2, num_blocks, block_size, num_kv_heads,
-            head_dim], model dtype.
+        kv_caches: one per decoder layer: a tensor [2, num_blocks, block_size, num_kv_heads,
+            head_dim] in the model dtype (kv_cache_dtype "auto"), or a `QuantizedKVCache`
+            (fp8/int8; see `sits.kernels.kv_quant_ref`).
         attn_backend: the attention implementation.
     """
 
     attn_metadata: AttentionMetadata
-    kv_caches: list[Tensor]
+    kv_caches: list[Tensor] | list[QuantizedKVCache]
     attn_backend: AttentionBackend

@@ -8,6 +8,7 @@ tokens after it is resumed). It never imports the scheduler. This is the plain P
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
@@ -23,11 +24,14 @@ from sits.runner.inputs import build_step_inputs
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
     kv_bytes_per_block,
+    kv_fixed_bytes,
     num_kv_blocks,
 )
 from sits.runner.model_info import ModelInfo
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -40,6 +44,9 @@ class ModelRunner:
     Attributes:
         device, dtype: where and in which dtype the model runs.
         num_blocks: KV blocks allocated.
+        kv_cache_dtype: "auto" (model dtype), "fp8" or "int8" (config.kv_cache_dtype).
+        kv_bytes_per_block: bytes one block takes across layers (data and int8 scales).
+        kv_cache_bytes: bytes of the whole KV cache (blocks and fp8's fixed scales).
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
@@ -51,9 +58,17 @@ class ModelRunner:
         self.model = load_model(info.model_dir, dtype=self.dtype, device=self.device)
         self.model.eval()
         arch = self.model.arch
+        self.kv_cache_dtype = config.kv_cache_dtype
         bytes_per_block = kv_bytes_per_block(
-            arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.dtype
+            arch.num_layers,
+            self.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            self.dtype,
+            self.kv_cache_dtype,
         )
+        fixed_bytes = kv_fixed_bytes(arch.num_layers, arch.num_kv_heads, self.kv_cache_dtype)
+        self.kv_bytes_per_block = bytes_per_block
         self.num_blocks = num_kv_blocks(
             bytes_per_block=bytes_per_block,
             device=self.device,
@@ -62,6 +77,7 @@ class ModelRunner:
             max_model_len=info.max_model_len,
             max_num_seqs=config.max_num_seqs,
             block_size=self.block_size,
+            fixed_bytes=fixed_bytes,
         )
         self.kv_caches = allocate_kv_caches(
             arch.num_layers,
@@ -71,8 +87,16 @@ class ModelRunner:
             arch.head_dim,
             self.dtype,
             self.device,
+            self.kv_cache_dtype,
         )
-        self.kv_cache_bytes = bytes_per_block * self.num_blocks
+        self.kv_cache_bytes = bytes_per_block * self.num_blocks + fixed_bytes
+        logger.info(
+            "KV cache dtype %s: %d blocks of %d bytes (%d tokens each)",
+            self._kv_dtype_name(),
+            self.num_blocks,
+            bytes_per_block,
+            self.block_size,
+        )
         self.attn_backend = TorchPagedAttention()
         self.sampler = Sampler()
         self._seed_source = random.Random(config.seed)
@@ -80,6 +104,14 @@ class ModelRunner:
         # Prompt logprobs already returned per request (a resumed request recomputes its
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
+
+    def _kv_dtype_name(self) -> str:
+        """The KV storage for logs: "float32", "fp8 (float8_e4m3fn, per-head scales)", ..."""
+        if self.kv_cache_dtype == "fp8":
+            return "fp8 (float8_e4m3fn, per-head scales)"
+        if self.kv_cache_dtype == "int8":
+            return "int8 (per-token-per-head scales)"
+        return str(self.dtype).removeprefix("torch.")
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
