@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs sits with CPU PyTorch 2.13.0 and the dev extras.
-# CPU torch first: with it installed, `torch>=2.11` in pyproject pulls nothing more (never a
-# multi-GB CUDA build on a CPU machine).
+# torch 2.13.0 first (the CPU wheel on our machines, where pip finds it on disk; elsewhere install
+# it from the PyTorch CPU index first, see README): with it installed, `torch>=2.11` in pyproject
+# pulls nothing more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

@@ -3,8 +3,9 @@
 # one completion ("def fibonacci(n):", 64 tokens, temperature 0), print the JSON answer and
 # its text, then stop the server (SIGTERM: it drains and exits 0).
 #
-# Works from a fresh clone: creates .venv with `python3 -m venv` if missing, installs CPU
-# PyTorch 2.13.0 first (so nothing pulls a CUDA build), then sits itself (`pip install -e .`).
+# Works from a fresh clone: creates .venv with `python3 -m venv` if missing, installs PyTorch
+# 2.13.0 first (the CPU wheel where pip has one at hand, as on our CI machines; elsewhere install
+# it from the PyTorch CPU index first, see README), then sits itself (`pip install -e .`).
 # No model download: the demo model ships with sits or is made locally on first use.
 # Environment: PORT (default 8000, or a free port when 8000 is taken).
 set -euo pipefail

@@ -44,3 +44,10 @@ def test_valid_edges() -> None:
     assert SamplingParams(stop="x").stop == ["x"]
     with pytest.raises(InvalidParameterError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+@pytest.mark.parametrize("field", ["stop", "stop_token_ids"])
+def test_non_list_stop_names_the_parameter(field: str) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(**{field: 123})
+    assert info.value.param == field

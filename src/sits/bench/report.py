@@ -133,7 +133,7 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
 def command_line() -> str:
     """The exact command that is running, shell-quoted (`python -m MODULE ...` when run as a
     module, where argv[0] would be the module's file)."""
-    argv = list(sys.argv)
+    argv = _redact_secrets(list(sys.argv))
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name and argv:
         argv = ["python", "-m", spec.name.removesuffix(".__main__"), *argv[1:]]
@@ -226,3 +226,24 @@ def format_report(doc: dict[str, Any]) -> str:
         lines += format_tenants(doc)
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+_SECRET_FLAGS = ("--api-key",)
+
+
+def _redact_secrets(argv: list[str]) -> list[str]:
+    """argv with the values of secret flags (API keys) replaced by "***"."""
+    out = []
+    redact_next = False
+    for arg in argv:
+        if redact_next:
+            out.append("***")
+            redact_next = False
+        elif arg in _SECRET_FLAGS:
+            out.append(arg)
+            redact_next = True
+        elif arg.startswith(tuple(f"{flag}=" for flag in _SECRET_FLAGS)):
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out

@@ -34,7 +34,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API. With no model, serve "
-        "the built-in demo model 'sits-demo' (made locally on first use, no download).",
+        "the built-in demo model 'sits-demo' (shipped with sits, no download).",
     )
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model")
     add_engine_args(p, model_required=False)

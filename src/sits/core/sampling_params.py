@@ -80,6 +80,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list | tuple):
+                raise InvalidParameterError(name, f"{name} must be a list, got {value!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
@@ -93,7 +97,7 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}.")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}.")
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}.")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
@@ -109,7 +113,10 @@ class SamplingParams:
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, f"must be in [-2, 2], got {value!r}.")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}.")
+            raise bad(
+                "repetition_penalty",
+                f"must be a finite number > 0, got {self.repetition_penalty!r}.",
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

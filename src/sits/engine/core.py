@@ -106,13 +106,10 @@ class EngineCore:
             )
         limit = self.info.max_model_len
         if num_prompt_tokens + max_tokens > limit:
-            # Blame max_tokens when the prompt alone fits (as vLLM's message does).
-            param = "prompt" if num_prompt_tokens >= limit else "max_tokens"
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                param=param,
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
             )
         cache_tokens = self.runner.num_blocks * self.config.block_size
         if num_prompt_tokens + max_tokens > cache_tokens:
