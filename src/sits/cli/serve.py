@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sits.cli.engine_args import add_engine_args, engine_kwargs
+from sits.core.errors import InvalidParameterError
+from sits.core.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from sits.tenancy import TenantsConfig
@@ -53,6 +55,31 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits)",
+    )
+    p.add_argument(
+        "--audit-log",
+        default=None,
+        metavar="PATH",
+        help="write one tamper-evident record per finished request to PATH (`sits audit verify`)",
+    )
+    p.add_argument(
+        "--audit-top-logprobs",
+        type=int,
+        default=5,
+        metavar="K",
+        help="alternatives (top-K logprobs) audited per generated token (default 5)",
+    )
+    p.add_argument(
+        "--audit-max-file-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rotate the audit log before it grows past N bytes (default 256 MiB)",
+    )
+    p.add_argument(
+        "--audit-store-input",
+        action="store_true",
+        help="store the input text itself in the audit log (else only its SHA-256)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -102,6 +129,25 @@ def load_tenants_arg(path: str | None, api_key: str | None) -> TenantsConfig | N
             "the keys' SHA-256 hashes in the tenants file (`sits tenants hash-key -`)",
         )
     return load_tenants(path)
+
+
+def audit_settings_arg(args: argparse.Namespace) -> Any:
+    """The `AuditSettings` of the --audit-* flags (None without --audit-log)."""
+    from sits.server.audit_sink import AuditSettings
+
+    if args.audit_log is None:
+        return None
+    if not 0 <= args.audit_top_logprobs <= MAX_LOGPROBS:
+        raise InvalidParameterError(
+            "audit_top_logprobs",
+            f"--audit-top-logprobs must be in [0, {MAX_LOGPROBS}], got {args.audit_top_logprobs}",
+        )
+    return AuditSettings(
+        path=args.audit_log,
+        top_logprobs=args.audit_top_logprobs,
+        max_file_bytes=args.audit_max_file_bytes,
+        store_input=args.audit_store_input,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -163,6 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         tenants=tenants,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        audit=audit_settings_arg(args),
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level)

@@ -67,6 +67,9 @@ class EngineStats:
             deltas of these two is a prefill rate in tokens per second).
         borrowing_tiers: tier values whose tenants may currently borrow beyond their
             reservation (`set_borrowing_tiers`; all three by default).
+        num_prefix_cache_query_tokens: prompt tokens looked up in the prefix cache since start
+            (the scheduler's `prefix_cache_stats.num_query_tokens`).
+        num_prefix_cache_hit_tokens: of those, tokens served from the cache since start.
         time_s: time.monotonic() when the snapshot was taken.
     """
 
@@ -84,6 +87,8 @@ class EngineStats:
     num_prefill_tokens: int = 0
     prefill_busy_s: float = 0.0
     borrowing_tiers: tuple[str, ...] = _ALL_TIERS
+    num_prefix_cache_query_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
     time_s: float = 0.0
 
     def queue_delay_s(self, now_s: float) -> float:
@@ -340,6 +345,7 @@ class AsyncLLM:
             tenants = core.tenant_stats()
             waiting = core.waiting_load()
         arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
+        prefix_cache = sched.prefix_cache_stats
         self._stats = EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -355,5 +361,7 @@ class AsyncLLM:
             num_prefill_tokens=core.num_prefill_tokens,
             prefill_busy_s=core.prefill_busy_s,
             borrowing_tiers=self._borrowing_tiers,
+            num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
+            num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
             time_s=now_s,
         )

@@ -1,8 +1,9 @@
 """`build_app`: the FastAPI application of one engine.
 
 The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics registry) in
-`app.state.ctx`; its lifespan starts the engine-health monitor and the overload watcher and,
-on exit, stops them and (optionally) shuts the engine down. `QosHeadersMiddleware` puts the
+`app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor
+and the overload watcher and, on exit, stops them, (optionally) shuts the engine down and then
+closes the audit log. `QosHeadersMiddleware` puts the
 overload state and the tenant's rate-limit headers on every response. Nothing is global, so one
 process may build several apps.
 """
@@ -49,15 +50,21 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ctx.audit is not None:
+            ctx.audit.start()
         lifecycle.start()
         ctx.overload_watcher.start()
         try:
             yield
         finally:
-            await ctx.overload_watcher.stop()
-            await lifecycle.stop()
-            if shutdown_engine:
-                await engine.shutdown()
+            try:
+                await ctx.overload_watcher.stop()
+                await lifecycle.stop()
+                if shutdown_engine:
+                    await engine.shutdown()
+            finally:
+                if ctx.audit is not None:
+                    await ctx.audit.close()  # after the drain: every job has ended
 
     app = FastAPI(
         title="sits",

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
+from sits.server.audit_sink import AuditSettings, ServerAudit
 from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
 from sits.server.jobs import EnginePrompt, GenerationJob
@@ -39,6 +40,7 @@ class ServerSettings:
         qos: rate-limit window, breaker, overload thresholds and clock.
         enable_prompt_tokens_details: fill `usage.prompt_tokens_details.cached_tokens`
             (vLLM's flag of the same name; off by default, as in vLLM).
+        audit: the audit log options (`--audit-log`); None = no audit log.
 
     Raises:
         InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml).
@@ -54,6 +56,7 @@ class ServerSettings:
     tenants: TenantsConfig | None = None
     qos: QosSettings = field(default_factory=QosSettings)
     enable_prompt_tokens_details: bool = False
+    audit: AuditSettings | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and self.tenants is not None:
@@ -80,6 +83,7 @@ class ServerContext:
         qos: tenants, rate limits, circuit breaker and overload state.
         overload_watcher: the task feeding `qos` with the engine's load (started by the app).
         metrics: the server's metrics (per tenant too).
+        audit: the audit log (opened by the app's lifespan), or None.
     """
 
     def __init__(
@@ -101,6 +105,11 @@ class ServerContext:
             isolate_prefix_cache=settings.tenants is not None,
         )
         self.overload_watcher = OverloadWatcher(engine, self.qos)
+        self.audit: ServerAudit | None = None
+        if settings.audit is not None:
+            config = getattr(engine, "config", None)
+            model_dir = settings.model_root or getattr(config, "model", None)
+            self.audit = ServerAudit(settings.audit, self.model_name, model_dir)
         self.metrics.registry.register(
             QosCollector(self.qos, engine.stats, self.overload_watcher.snapshot, self.model_name)
         )
@@ -138,4 +147,5 @@ class ServerContext:
             priority=priority,
             cache_salt=self.qos.cache_salt(tenant, cache_salt),
             make_observer=lambda prompt: self.metrics.recorder(prompt, tenant),
+            audit=self.audit,
         )

@@ -15,6 +15,9 @@ Invariants:
 - `used_tokens` counts what the engine really consumed for the job (rate-limit
   reconciliation): the prompt tokens of every prompt that produced an output, plus every
   generated token delivered.
+- with an audit (`--audit-log`), each engine request is watched by a `RequestAudit` that sees
+  every output first and hands on a copy trimmed to the user's logprobs; its record's id is
+  `request_id` (one prompt) or `f"{request_id}-{i}"`; it ends as finished, abort or error.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sits.core.outputs import RequestOutput
 from sits.core.sampling_params import SamplingParams
 from sits.server.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from sits.server.audit_sink import ServerAudit
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ class GenerationJob:
         prompts: the prompts, each with its sampling params.
         tenant_id, priority, cache_salt: passed to the engine.
         make_observer: builds an observer per prompt (metrics); None for none.
+        audit: the server's audit log; None when auditing is off.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class GenerationJob:
         priority: int = 0,
         cache_salt: str | None = None,
         make_observer: Callable[[EnginePrompt], OutputObserver] | None = None,
+        audit: ServerAudit | None = None,
     ) -> None:
         assert prompts, "a job needs at least one prompt"
         self.engine = engine
@@ -94,6 +103,7 @@ class GenerationJob:
             else [f"{request_id}-p{i}" for i in range(len(prompts))]
         )
         self._make_observer = make_observer or (lambda _p: OutputObserver())
+        self.audit = audit
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | _PromptDone | BaseException] = (
             asyncio.Queue()
         )
@@ -113,18 +123,29 @@ class GenerationJob:
     async def _pump(self, index: int, prompt: EnginePrompt) -> None:
         observer = self._make_observer(prompt)
         finished = False
+        failed = False
         gen = None
+        params = prompt.params
+        watcher = None
+        if self.audit is not None:
+            audit_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
+            watcher = self.audit.watch(
+                audit_id, self.tenant_id, prompt.token_ids, prompt.text, prompt.params
+            )
+            params = self.audit.engine_params(prompt.params)
         try:
             gen = self.engine.generate(
                 self.engine_request_ids[index],
                 prompt.token_ids,
-                prompt.params,
+                params,
                 prompt=prompt.text,
                 tenant_id=self.tenant_id,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
             )
             async for output in gen:
+                if watcher is not None:
+                    output = watcher.on_output(output)
                 self._started[index] = True
                 self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
                 observer.on_output(output)
@@ -134,11 +155,14 @@ class GenerationJob:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            failed = True
             self._queue.put_nowait(exc)
         finally:
             self._finished[index] = finished
             if not finished:
                 observer.on_abort()
+            if watcher is not None:
+                watcher.finish("error" if failed else "abort")
             if gen is not None:
                 with contextlib.suppress(BaseException):
                     await gen.aclose()  # type: ignore[attr-defined]

@@ -79,6 +79,21 @@ class _EngineStatsCollector(Collector):
         )
         preemptions.add_metric([self.model_name], float(stats.num_preemptions))
         yield preemptions
+        for name, doc, value in (
+            (
+                "sits:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.num_prefix_cache_query_tokens,
+            ),
+            (
+                "sits:prefix_cache_hits",
+                "Prompt tokens served from the prefix cache.",
+                stats.num_prefix_cache_hit_tokens,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(value))
+            yield counter
 
 
 class ServerMetrics:

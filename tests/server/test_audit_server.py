@@ -1,0 +1,136 @@
+"""The audit log of a live server (`--audit-log`) and the prefix-cache counters on /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from sits.obs import find_records, verify_log
+from sits.server.audit_sink import AuditSettings
+from sits.server.context import ServerSettings
+from tests.server.live import LiveServer, metric_samples
+
+PROMPT = "def fibonacci(n):"
+
+
+def _post(live: LiveServer, path: str, body: dict) -> dict:
+    with live.http() as http:
+        resp = http.post(path, json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _disconnect_after_first_chunk(live: LiveServer, body: dict) -> str:
+    with (
+        httpx.Client(base_url=live.base_url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[len("data: ") :])["id"]
+    raise AssertionError("no chunk")
+
+
+def _stream_id(live: LiveServer, body: dict) -> str:
+    with live.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        ids = {json.loads(x[6:])["id"] for x in resp.iter_lines() if x.startswith("data: {")}
+    assert len(ids) == 1
+    return ids.pop()
+
+
+def test_audit_one_record_per_request(tmp_path, tiny_moe_dir, engine_factory) -> None:
+    log = tmp_path / "audit.jsonl"
+    settings = ServerSettings(audit=AuditSettings(path=str(log), top_logprobs=3))
+    with LiveServer(engine_factory(tiny_moe_dir), settings) as live:
+        cmpl = _post(
+            live,
+            "/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2},
+        )
+        chat = _post(
+            live,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        n2 = _post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 2})
+        multi = _post(live, "/v1/completions", {"prompt": ["a b", "c d"], "max_tokens": 2})
+        streamed = _stream_id(
+            live,
+            {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 3, "stream": True},
+        )
+        aborted = _disconnect_after_first_chunk(
+            live,
+            {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True},
+        )
+        assert live.wait_until(lambda: live.engine.stats().num_running == 0, 30)
+    result = verify_log(log)
+    assert result.ok, result
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    ids = [r["request_id"] for r in lines]
+    expected = [cmpl["id"], chat["id"], n2["id"], multi["id"] + "-0", multi["id"] + "-1"]
+    expected += [streamed, aborted]
+    assert sorted(ids) == sorted(expected)
+    (rec,) = find_records(log, cmpl["id"])
+    (out,) = rec["outputs"]
+    api = cmpl["choices"][0]["logprobs"]
+    assert len(out["token_ids"]) == len(api["tokens"]) == 5
+    assert [t["logprob"] for t in out["tokens"]] == api["token_logprobs"]
+    for token, top in zip(out["tokens"], api["top_logprobs"], strict=True):
+        assert len(token["top"]) == 3  # the audit's K, more than the user's 2
+        # the API's top entries (keyed by text, so equal texts merge) are audited ones
+        assert set(top.values()) <= {lp for _, lp in token["top"][:2]} | {token["logprob"]}
+    assert out["text"] == cmpl["choices"][0]["text"]
+    (rec_n2,) = find_records(log, n2["id"])
+    assert [o["index"] for o in rec_n2["outputs"]] == [0, 1]
+    assert rec["input"] is None and rec["weights_digest"] != "unknown"
+    (rec_abort,) = find_records(log, aborted)
+    assert rec_abort["outputs"][0]["finish_reason"] == "abort"
+    assert rec_abort["sampling"]["logprobs"] is None  # the user's params
+
+
+def test_responses_identical_with_and_without_audit(tmp_path, tiny_moe_dir, engine_factory) -> None:
+    bodies = [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ),
+    ]
+
+    def answers(settings: ServerSettings) -> list[dict]:
+        with LiveServer(engine_factory(tiny_moe_dir), settings) as live:
+            out = []
+            for path, body in bodies:
+                resp = _post(live, path, body)
+                for key in ("id", "created"):
+                    resp.pop(key)
+                out.append(resp)
+            return out
+
+    audited = ServerSettings(audit=AuditSettings(path=str(tmp_path / "a.jsonl")))
+    assert answers(audited) == answers(ServerSettings())
+
+
+def test_prefix_cache_counters(server) -> None:
+    def scrape() -> tuple[float, float]:
+        with server.http() as http:
+            samples = metric_samples(http.get("/metrics").text)
+        get = {name: v for (name, _labels), v in samples.items()}
+        return get["sits:prefix_cache_queries_total"], get["sits:prefix_cache_hits_total"]
+
+    prompt = list(range(10, 10 + 70))  # 70 tokens: 4 full blocks of 16
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    _post(server, "/v1/completions", body)
+    queries0, hits0 = scrape()
+    _post(server, "/v1/completions", body)
+    queries1, hits1 = scrape()
+    assert hits1 - hits0 == 64
+    assert queries1 - queries0 == 70
