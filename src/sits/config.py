@@ -5,6 +5,7 @@ Environment variables are read here only (none at import time).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -36,6 +37,10 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: seed of the engine's random source (unseeded requests draw from it).
         enforce_eager: never capture CUDA graphs.
+        cpu_offload_gb: GiB of host memory (pinned on CUDA) for a host KV tier: preempted
+            requests swap their blocks out and back instead of recomputing when cheaper.
+            0 (the default): no host tier, recompute-only preemption. Only with
+            kv_cache_dtype "auto" (quantized caches are refused for now).
     """
 
     model: str
@@ -53,6 +58,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    cpu_offload_gb: float = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -75,6 +81,16 @@ class EngineConfig:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
+        if not (math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0):
+            raise InvalidParameterError(
+                "cpu_offload_gb", f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}"
+            )
+        if self.cpu_offload_gb > 0 and self.kv_cache_dtype != "auto":
+            raise InvalidParameterError(
+                "cpu_offload_gb",
+                "the host KV tier (cpu_offload_gb > 0) supports kv_cache_dtype 'auto' only, "
+                f"got {self.kv_cache_dtype!r}",
+            )
 
     def with_changes(self, **changes: object) -> EngineConfig:
         """A copy with some fields replaced (validated again)."""

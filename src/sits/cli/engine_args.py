@@ -31,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0,
+        help="GiB of host memory for swapped-out KV blocks (0: recompute-only preemption)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,4 +56,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
+        "cpu_offload_gb": args.cpu_offload_gb,
     }

@@ -62,11 +62,20 @@ class StepPlan:
         scheduled: requests in batch order, each with its tokens for this step.
         new_requests: requests the runner sees for the first time this step.
         finished_request_ids: requests that ended since the last step (runner drops state).
+        swap_out: (device block id, host block id) copies to the host tier, of blocks of
+            requests preempted by swapping this step.
+        swap_in: (host block id, device block id) copies back, of resumed requests.
+            The runner executes every swap-out, then every swap-in, before the step's forward
+            (a device block freed by a swap-out may be reused by a swap-in or written by the
+            forward in the same step; a host block read by a swap-in is not reused by the
+            scheduler before the next step).
     """
 
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -22,7 +22,7 @@ from sits.core.plan import ScheduledRequest
 from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
-from sits.sched.config import SchedulerConfig, TenantPolicy
+from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
 from sits.sched.scheduler import Scheduler
 from sits.sched.tenants import TenantSchedStats
 
@@ -79,6 +79,9 @@ class EngineCore:
                 num_blocks=self.runner.num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 tenants=tuple(tenant_policies),
+                num_host_blocks=self.runner.num_host_blocks,
+                kv_bytes_per_block=self.runner.kv_bytes_per_block,
+                swap_cost=SwapCostModel.for_device(self.runner.device.type),
             )
         )
         self.num_steps = 0

@@ -121,6 +121,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[int] | None = None,
+        count_lookup: bool = True,
     ) -> bool:
         """Grow the request's table to hold its computed, newly hit and new tokens.
 
@@ -129,6 +130,8 @@ class KVCacheManager:
             num_new_tokens: tokens to compute this step (>= 1).
             new_computed_blocks: prefix-hit blocks from `get_computed_blocks` (only when the
                 request holds no blocks yet).
+            count_lookup: count a first allocation in the prefix-cache stats (False for a
+                request resumed from the host tier, which did not look up the cache).
 
         Returns:
             True when allocated; False (nothing changed) when there are not enough free blocks.
@@ -150,7 +153,7 @@ class KVCacheManager:
         if table is None:
             table = self._block_tables[request_id] = []
             self._num_cached_blocks[request_id] = len(hit_block_ids)
-            if self._lookup_enabled(request):
+            if count_lookup and self._lookup_enabled(request):
                 self.stats.num_requests += 1
                 self.stats.num_query_tokens += request.num_tokens
                 self.stats.num_hit_tokens += len(hit_block_ids) * self.block_size

@@ -28,6 +28,7 @@ from sits.runner.kv_cache_alloc import (
     num_kv_blocks,
 )
 from sits.runner.model_info import ModelInfo
+from sits.runner.swap import HostKVCache, num_host_blocks
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState
 
@@ -47,6 +48,8 @@ class ModelRunner:
         kv_cache_dtype: "auto" (model dtype), "fp8" or "int8" (config.kv_cache_dtype).
         kv_bytes_per_block: bytes one block takes across layers (data and int8 scales).
         kv_cache_bytes: bytes of the whole KV cache (blocks and fp8's fixed scales).
+        num_host_blocks: blocks of the host tier (config.cpu_offload_gb; 0 = none).
+        host_kv: the host tier's tensors, or None.
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
@@ -97,6 +100,11 @@ class ModelRunner:
             bytes_per_block,
             self.block_size,
         )
+        self.num_host_blocks = num_host_blocks(config.cpu_offload_gb, bytes_per_block)
+        self.host_kv: HostKVCache | None = None
+        if self.num_host_blocks > 0:
+            self.host_kv = HostKVCache(self.kv_caches, self.num_host_blocks)
+            logger.info("host KV tier: %d blocks", self.num_host_blocks)
         self.attn_backend = TorchPagedAttention()
         self.sampler = Sampler()
         self._seed_source = random.Random(config.seed)
@@ -129,6 +137,9 @@ class ModelRunner:
             self._prompt_logprobs_done.pop(request_id, None)
         for new in plan.new_requests:
             self._states[new.request_id] = self._new_state(new)
+        if plan.swap_out or plan.swap_in:
+            assert self.host_kv is not None, "swaps planned without a host tier"
+            self.host_kv.copy_blocks(self.kv_caches, plan.swap_out, plan.swap_in)
         result = StepResult()
         if plan.is_empty:
             return result

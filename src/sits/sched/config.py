@@ -100,6 +100,46 @@ def reserved_amount(fraction: float, total: int) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SwapCostModel:
+    """Cost model of swap versus recompute preemption (a first-order estimate in seconds).
+
+    recompute_s = num_computed_tokens * prefill_s_per_token (the victim's KV computed again
+    as prefill when it resumes); swap_s = 2 * num_bytes / copy_bytes_per_s (out now, in at
+    resume). A victim is swapped when swap_s < recompute_s and the host tier has room.
+
+    Attributes:
+        prefill_s_per_token: seconds one prefill token costs (> 0).
+        copy_bytes_per_s: device <-> host copy bandwidth in bytes per second (> 0).
+
+    Raises:
+        InvalidParameterError: a constant <= 0 or not finite.
+    """
+
+    prefill_s_per_token: float
+    copy_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_s_per_token", "copy_bytes_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidParameterError(name, f"{name} must be > 0, got {value}")
+
+    @classmethod
+    def for_device(cls, device_type: str) -> SwapCostModel:
+        """Defaults: "cuda": 20 us per prefill token (50k tokens/s, a mid-size model on one
+        H100/H200-class GPU) and 25 GB/s pinned PCIe copies; otherwise (CPU): 1 ms per token
+        and 5 GB/s memory copies."""
+        if device_type == "cuda":
+            return cls(prefill_s_per_token=20e-6, copy_bytes_per_s=25e9)
+        return cls(prefill_s_per_token=1e-3, copy_bytes_per_s=5e9)
+
+    def prefers_swap(self, num_computed_tokens: int, num_bytes: int) -> bool:
+        """True when copying `num_bytes` out and back is cheaper than recomputing the tokens."""
+        recompute_s = num_computed_tokens * self.prefill_s_per_token
+        return 2 * num_bytes / self.copy_bytes_per_s < recompute_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     """Scheduler limits (vLLM engine-argument names) and tenant policies.
 
@@ -116,6 +156,9 @@ class SchedulerConfig:
         vtc_prompt_weight: w_p, virtual-token-counter cost of one prompt token.
         vtc_output_weight: w_q, cost of one output token (Sheng et al., OSDI 2024 use
             w_p = 1, w_q = 2).
+        num_host_blocks: blocks of the host KV tier (0: no tier, recompute-only preemption).
+        kv_bytes_per_block: bytes one KV block takes across layers (the swap cost's copy size).
+        swap_cost: when to swap rather than recompute (CPU defaults).
 
     Raises:
         InvalidParameterError: a limit is < 1, num_blocks < 2, a VTC weight <= 0, duplicate
@@ -131,6 +174,9 @@ class SchedulerConfig:
     tenants: tuple[TenantPolicy, ...] = ()
     vtc_prompt_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    num_host_blocks: int = 0
+    kv_bytes_per_block: int = 0
+    swap_cost: SwapCostModel = SwapCostModel.for_device("cpu")
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
@@ -143,6 +189,10 @@ class SchedulerConfig:
                 f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks!r}; "
                 "give the KV cache more memory",
             )
+        for name in ("num_host_blocks", "kv_bytes_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise InvalidParameterError(name, f"{name} must be an integer >= 0, got {value!r}")
         for name in ("vtc_prompt_weight", "vtc_output_weight"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -182,6 +232,9 @@ class SchedulerConfig:
         num_blocks: int,
         max_model_len: int,
         tenants: tuple[TenantPolicy, ...] = (),
+        num_host_blocks: int = 0,
+        kv_bytes_per_block: int = 0,
+        swap_cost: SwapCostModel | None = None,
     ) -> SchedulerConfig:
         """Scheduler limits from the engine config plus what the runner measured.
 
@@ -190,6 +243,8 @@ class SchedulerConfig:
             num_blocks: KV blocks the runner allocated.
             max_model_len: the resolved context length (config value or the model's).
             tenants: tenant policies (empty: plain FCFS).
+            num_host_blocks, kv_bytes_per_block: the host tier the runner allocated.
+            swap_cost: swap cost model (None: the CPU defaults).
         """
         return cls(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -199,4 +254,7 @@ class SchedulerConfig:
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             tenants=tenants,
+            num_host_blocks=num_host_blocks,
+            kv_bytes_per_block=kv_bytes_per_block,
+            swap_cost=swap_cost or SwapCostModel.for_device("cpu"),
         )

@@ -13,6 +13,13 @@ total tokens (prompt + outputs), a prefill chunk or a decode alike, within
    priority, virtual token counter and EDF with tenants), while the budget, the sequence
    slots and the blocks each tenant may take (`tenants.TenantBook`) allow.
 
+Preemption swaps or recomputes: with a host tier (`config.num_host_blocks`), a victim whose
+computed blocks fit in the free host blocks and whose copy out and back is cheaper than
+recomputing its tokens (`SwapCostModel`) is swapped: the plan carries (device, host) copies in
+`swap_out`, the request keeps `num_computed_tokens` while waiting, and when admitted again it
+gets new device blocks filled by `swap_in` copies and goes on without recompute. Otherwise it
+drops its KV and recomputes (`num_computed_tokens = 0`). `swap_stats` counts both.
+
 Without configured tenants this is plain FCFS: a preempted request goes to the front of the
 queue, a request that does not fit stops admission (no later one jumps ahead), and the victim
 is the latest-arrived running request not yet scheduled in the step.
@@ -22,7 +29,10 @@ Invariants:
   same inputs give the same plans (identical across TP ranks, testable exactly on CPU).
 - A request is in exactly one of: its tenant's waiting queue, the running list, or finished
   (dropped).
-- Running requests hold KV blocks for all their computed tokens; waiting ones hold none.
+- Running requests hold KV blocks for all their computed tokens; waiting ones hold no device
+  blocks; a waiting request with computed tokens (swapped out) holds exactly
+  cdiv(num_computed_tokens, block_size) host blocks, freed when it finishes or after the step
+  whose plan swapped them back in (so no swap-out of that step can overwrite them first).
 - Blocks of a step's tokens enter the prefix cache in `update`, after they are computed.
 - A step's scheduled tokens sum to at most `max_num_batched_tokens`; a request sampled in a
   step is one whose computed tokens reach all its tokens.
@@ -39,10 +49,12 @@ from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, TokenLogprobs
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
+from sits.kvcache.host_pool import HostBlockPool, SwapStats
 from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats, cdiv
 from sits.sched.checks import check_stop, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
+from sits.sched.swap import SwapPlanner
 from sits.sched.tenants import TenantBook, TenantSchedStats, TenantState
 
 
@@ -54,6 +66,8 @@ class _StepState:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     new_requests: list[NewRequestData] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block ids
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block ids
     num_preempted: int = 0
     deferred_ids: set[str] = field(default_factory=set)  # siblings waiting for their leader
     blocked_tenant_ids: set[str] = field(default_factory=set)  # next request did not fit
@@ -83,6 +97,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()  # sent in StepPlan.new_requests, not finished
         self._finished_ids: list[str] = []  # finished since the last schedule(), runner knew
         self._num_preemptions = 0
+        self.swapper = SwapPlanner(config)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -166,6 +181,16 @@ class Scheduler:
         return self._num_preemptions
 
     @property
+    def host(self) -> HostBlockPool:
+        """The host KV tier's block pool (num_blocks 0 without a tier)."""
+        return self.swapper.host
+
+    @property
+    def swap_stats(self) -> SwapStats:
+        """Cumulative swap / recompute preemption counters."""
+        return self.swapper.stats
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of usable KV blocks in use, in [0, 1]."""
         return self.kv.usage
@@ -212,6 +237,7 @@ class Scheduler:
             The plan: scheduled requests in batch order, requests new to the runner, and the
             ids of requests finished since the last call that the runner had been sent.
         """
+        self.swapper.begin_step()
         step = _StepState(token_budget=self.config.max_num_batched_tokens)
         if self._book.fair:
             self._reclaim_reservations(step)
@@ -222,6 +248,8 @@ class Scheduler:
             scheduled=step.scheduled,
             new_requests=step.new_requests,
             finished_request_ids=finished_ids,
+            swap_out=step.swap_out,
+            swap_in=step.swap_in,
         )
 
     def _reclaim_reservations(self, step: _StepState) -> None:
@@ -251,7 +279,7 @@ class Scheduler:
         victim = self._pick_victim(step, among)
         if victim is None:
             return False
-        self._preempt(victim)
+        self._preempt(victim, step)
         step.num_preempted += 1
         return True
 
@@ -288,7 +316,7 @@ class Scheduler:
                 step, lambda t: t is tenant or t.blocks_used > t.reserved_blocks
             )
             assert victim is not None, "the request asking for blocks is always a candidate"
-            self._preempt(victim)
+            self._preempt(victim, step)
             step.num_preempted += 1
             if victim is request:
                 return False
@@ -301,6 +329,7 @@ class Scheduler:
         num_new_tokens: int,
         hit_block_ids: list[int],
         within_reservation: bool,
+        count_lookup: bool = True,
     ) -> bool:
         """Allocate the request's blocks if its tenant may take them now; False: unchanged."""
         num_blocks = self._num_blocks_to_take(request, num_new_tokens, hit_block_ids)
@@ -308,7 +337,7 @@ class Scheduler:
         if not self._book.may_take_blocks(tenant, num_blocks, free, within_reservation):
             return False
         num_held = len(self.kv.get_block_ids(request.request_id))
-        allocated = self.kv.allocate_slots(request, num_new_tokens, hit_block_ids)
+        allocated = self.kv.allocate_slots(request, num_new_tokens, hit_block_ids, count_lookup)
         assert allocated, (request.request_id, num_blocks, free)
         self._book.add_blocks(tenant, self.kv.get_block_ids(request.request_id)[num_held:])
         return True
@@ -343,13 +372,19 @@ class Scheduler:
             key=lambda r: victim_key(r, self._tenant(r), self._arrival_seq[r.request_id], fair),
         )
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free blocks, keep outputs, back to its tenant's queue (FCFS:
-        its front)."""
+    def _preempt(self, request: Request, step: _StepState) -> None:
+        """Preempt a running request: swap its blocks to the host tier when that is cheaper
+        than recomputing and the tier has room (`SwapPlanner.swap_out`), else drop its KV.
+        Either way it keeps its outputs, frees its device blocks and goes back to its
+        tenant's queue (FCFS: its front)."""
         tenant = self._tenant(request)
+        copies = self.swapper.swap_out(request, self.kv.get_block_ids(request.request_id))
+        if copies is None:
+            request.num_computed_tokens = 0
+        else:
+            step.swap_out.extend(copies)
         self._release(request, tenant)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         tenant.num_preemptions += 1
@@ -407,17 +442,25 @@ class Scheduler:
         within_reservation = closed or not self._book.may_borrow(tenant)
         if not self._book.may_take_seq(tenant, within_reservation):
             return False
-        hit_block_ids, num_cached_tokens = self.kv.get_computed_blocks(request)
+        swapped = self.swapper.is_swapped(request.request_id)
+        if swapped:  # resumes with its own KV from the host tier: no prefix lookup
+            hit_block_ids, num_cached_tokens = [], request.num_computed_tokens
+        else:
+            hit_block_ids, num_cached_tokens = self.kv.get_computed_blocks(request)
         num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
         if not self._try_allocate(
-            request, tenant, num_new_tokens, hit_block_ids, within_reservation
+            request, tenant, num_new_tokens, hit_block_ids, within_reservation, not swapped
         ):
             return False
         self._book.remove_waiting(tenant, request)
         self._book.start_running(tenant)
-        request.num_computed_tokens = num_cached_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_cached_tokens
+        if swapped:
+            block_ids = self.kv.get_block_ids(request.request_id)
+            step.swap_in.extend(self.swapper.swap_in(request.request_id, block_ids))
+        else:
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         self._running.append(request)
         self._add_to_step(request, num_new_tokens, step)
@@ -529,6 +572,7 @@ class Scheduler:
         else:
             self.kv.free(request)  # holds no blocks, but drops its cached hashes
             self._book.remove_waiting(tenant, request)
+            self.swapper.drop(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
