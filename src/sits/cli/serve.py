@@ -3,7 +3,8 @@
 `add_serve_parser(subparsers)` declares the subcommand; `run_serve(args)` loads the engine,
 builds the app and serves until SIGTERM (exit 0 after the drain) or engine death (exit 1).
 With no model the built-in demo model `sits-demo` is served (`sits.demo`). The API key comes
-from --api-key or else the SITS_API_KEY environment variable, read here at run time.
+from --api-key or else the SITS_API_KEY environment variable, read here at run time; the
+admin key of /v1/admin likewise from --admin-key or else SITS_ADMIN_KEY.
 With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded before any
 model work; a malformed file exits 2 with the file, line and field named, and an API key
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from sits.tenancy import TenantsConfig
 
 API_KEY_ENV = "SITS_API_KEY"
+ADMIN_KEY_ENV = "SITS_ADMIN_KEY"
 EXIT_BAD_CONFIG = 2
 
 
@@ -44,6 +46,25 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", default=None, help="name clients use as `model`")
     p.add_argument("--api-key", default=None, help=f"require this bearer key (also ${API_KEY_ENV})")
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"enable /v1/admin (MoE expert stats, freeze/unfreeze) with this bearer key (also "
+        f"${ADMIN_KEY_ENV}); without it those routes answer 404",
+    )
+    p.add_argument(
+        "--expert-freeze-after",
+        type=int,
+        default=3,
+        metavar="N",
+        help="freeze an MoE expert after N consecutive checks with non-finite outputs "
+        "(0 = never; default 3)",
+    )
+    p.add_argument(
+        "--restore-frozen-experts",
+        action="store_true",
+        help="reload an automatically frozen MoE expert from the checkpoint and unfreeze it",
+    )
     p.add_argument(
         "--tenants",
         default=None,
@@ -99,6 +120,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     """--api-key, else $SITS_API_KEY, else None (an empty value means no key)."""
     key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    return key or None
+
+
+def resolve_admin_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """--admin-key, else $SITS_ADMIN_KEY, else None (an empty value means no admin routes)."""
+    key = args.admin_key if args.admin_key is not None else environ.get(ADMIN_KEY_ENV)
     return key or None
 
 
@@ -193,7 +220,12 @@ def run_serve(args: argparse.Namespace) -> int:
         from sits.engine.builder import tenant_policies_of
 
         config = EngineConfig(**kwargs)
-        engine = AsyncLLM(config, tenant_policies=tenant_policies_of(tenants))
+        engine = AsyncLLM(
+            config,
+            tenant_policies=tenant_policies_of(tenants),
+            expert_freeze_after=args.expert_freeze_after,
+            restore_frozen_experts=args.restore_frozen_experts,
+        )
     except SitsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -210,6 +242,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants=tenants,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         audit=audit_settings_arg(args),
+        admin_key=resolve_admin_key(args, os.environ),
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level)

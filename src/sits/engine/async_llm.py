@@ -12,6 +12,11 @@ commands; its queue and per-tenant part (an O(requests) scan) is refreshed at mo
 `_LOAD_STATS_PERIOD_S` while requests run, and always when the engine goes idle.
 `set_borrowing_tiers` reaches the scheduler through the inbox (overload control); while
 only work it defers waits (nothing running), the loop waits on the inbox instead of stepping.
+
+MoE experts (`sits.layers.moe_stats`): the engine thread copies the device-side expert
+counters to the host every `_EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle and on
+request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
+on the engine thread between steps, so requests in flight continue.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,6 +40,7 @@ from sits.engine.builder import build_engine
 from sits.engine.core import WaitingLoad
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertMonitor, ExpertStats
 from sits.sched.config import TenantPolicy, TenantTier
 from sits.sched.tenants import TenantSchedStats
 
@@ -42,6 +49,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.2
 _LOAD_STATS_PERIOD_S = 0.02
 _ALL_TIERS = tuple(tier.value for tier in TenantTier)
+_EXPERT_STATS_PERIOD_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,8 @@ class EngineStats:
         num_prefix_cache_query_tokens: prompt tokens looked up in the prefix cache since start
             (the scheduler's `prefix_cache_stats.num_query_tokens`).
         num_prefix_cache_hit_tokens: of those, tokens served from the cache since start.
+        experts: the MoE experts' load, health and frozen flags as last read (every few
+            steps, see the module docstring); None for a dense model.
         time_s: time.monotonic() when the snapshot was taken.
     """
 
@@ -89,6 +99,7 @@ class EngineStats:
     borrowing_tiers: tuple[str, ...] = _ALL_TIERS
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    experts: ExpertStats | None = None
     time_s: float = 0.0
 
     def queue_delay_s(self, now_s: float) -> float:
@@ -108,6 +119,11 @@ class AsyncLLM:
             iteration for this many seconds (a hung step).
         tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`);
             () for plain FCFS.
+        expert_freeze_after: consecutive anomalous (non-finite output) checks that freeze an
+            MoE expert; 0 disables automatic freezing.
+        restore_frozen_experts: reload an expert frozen by the health check from the
+            checkpoint and unfreeze it, when the engine thread next reads the expert stats
+            (the disk read runs on the engine thread, between steps).
     """
 
     def __init__(
@@ -116,6 +132,8 @@ class AsyncLLM:
         *,
         health_timeout_s: float = 10.0,
         tenant_policies: tuple[TenantPolicy, ...] = (),
+        expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
+        restore_frozen_experts: bool = False,
     ) -> None:
         parts = build_engine(config, tenant_policies)
         self.config = config
@@ -135,6 +153,12 @@ class AsyncLLM:
         self._stats = EngineStats()
         self._borrowing_tiers = _ALL_TIERS
         self._load_time_s = -1.0
+        monitor = ExpertMonitor.of_model(parts.core.runner.model, expert_freeze_after)
+        self._experts = monitor if monitor.blocks else None
+        self._expert_stats: ExpertStats | None = None
+        self._restore_frozen_experts = restore_frozen_experts
+        self._expert_read_step = -1
+        self._read_experts()
         self._update_stats(force=True)
         self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
         self._thread.start()
@@ -229,6 +253,51 @@ class AsyncLLM:
         chosen = frozenset(TenantTier(value) for value in values)
         self._inbox.put(("borrowing", chosen))
 
+    async def expert_stats(self) -> ExpertStats | None:
+        """A fresh read of the MoE experts' counters (None for a dense model).
+
+        Raises:
+            EngineDeadError: the engine loop is dead or hung.
+        """
+        return await self._call_on_engine(self._read_experts)
+
+    async def freeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
+        """Mask expert `expert_id` of decoder layer `layer_id` in its router from the next step.
+
+        Returns:
+            The experts' stats right after.
+
+        Raises:
+            InvalidParameterError: a dense model, no such MoE layer or expert, or too few
+                experts would be left.
+            EngineDeadError: the engine loop is dead or hung.
+        """
+
+        def freeze() -> ExpertStats | None:
+            self._require_experts().freeze(layer_id, expert_id)
+            return self._read_experts()
+
+        return await self._call_on_engine(freeze)
+
+    async def unfreeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
+        """Route to the expert again (see `freeze_expert`; same errors)."""
+
+        def unfreeze() -> ExpertStats | None:
+            self._require_experts().unfreeze(layer_id, expert_id)
+            return self._read_experts()
+
+        return await self._call_on_engine(unfreeze)
+
+    async def restore_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
+        """Reload the expert's weights from the checkpoint and unfreeze it (see
+        `freeze_expert`; also UnsupportedModelError when the checkpoint lacks them)."""
+
+        def restore() -> ExpertStats | None:
+            self._require_experts().restore(layer_id, expert_id, self.info.model_dir)
+            return self._read_experts()
+
+        return await self._call_on_engine(restore)
+
     async def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests get EngineDeadError."""
         self._stopping = True
@@ -242,6 +311,18 @@ class AsyncLLM:
         if not self.is_healthy():
             reason = self.dead_error or "the engine loop is not responding"
             raise EngineDeadError(f"engine is not available: {reason}")
+
+    async def _call_on_engine(self, fn: Callable[[], object]) -> object:
+        """Run `fn()` on the engine thread between steps and return (or raise) its result."""
+        self._check_alive()
+        future: Future = Future()
+        self._inbox.put(("call", fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _require_experts(self) -> ExpertMonitor:
+        if self._experts is None:
+            raise InvalidParameterError("layer", "the model has no MoE layers")
+        return self._experts
 
     def _abort_now(self, request_id: str) -> None:
         open_ids = self._processor.remove_request(request_id)
@@ -289,7 +370,10 @@ class AsyncLLM:
                     and sched.num_running == 0
                     and sched.num_preemptions == num_preemptions
                 )
-                self._update_stats(force=stalled or not core.has_unfinished_requests())
+                idle = stalled or not core.has_unfinished_requests()
+                if idle or core.num_steps - self._expert_read_step >= _EXPERT_STATS_PERIOD_STEPS:
+                    self._read_experts()
+                self._update_stats(force=idle)
                 if outputs and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
@@ -331,8 +415,31 @@ class AsyncLLM:
             tiers = command[1]
             self.engine_core.scheduler.set_borrowing_tiers(tiers)
             self._borrowing_tiers = tuple(t.value for t in TenantTier if t in tiers)
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, never kills the loop
+                future.set_exception(exc)
         elif kind == "stop":
             self._stopping = True
+
+    def _read_experts(self) -> ExpertStats | None:
+        """Copy the expert counters to the host (engine thread only; one device sync)."""
+        if self._experts is None:
+            return None
+        num_steps = self.engine_core.num_steps
+        self._expert_read_step = num_steps
+        stats = self._experts.read(num_steps)
+        if self._restore_frozen_experts and self._experts.newly_frozen:
+            for layer_id, expert_id in self._experts.newly_frozen:
+                try:
+                    self._experts.restore(layer_id, expert_id, self.info.model_dir)
+                except SitsError:
+                    logger.exception("cannot restore MoE expert %d.%d", layer_id, expert_id)
+            stats = self._experts.read(num_steps)
+        self._expert_stats = stats
+        return stats
 
     def _update_stats(self, force: bool = False) -> None:
         core = self.engine_core
@@ -363,5 +470,6 @@ class AsyncLLM:
             borrowing_tiers=self._borrowing_tiers,
             num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
+            experts=self._expert_stats,
             time_s=now_s,
         )

@@ -66,7 +66,12 @@ def expert_mlp(hidden: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
 
 
 def moe_forward(
-    hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    nonfinite_experts: Tensor | None = None,
 ) -> Tensor:
     """Weighted sum of each token's selected experts, looping over experts that got tokens.
 
@@ -76,6 +81,9 @@ def moe_forward(
         w2: [num_experts, hidden_size, intermediate_size].
         topk_weights: [num_tokens, top_k] float32.
         topk_ids: [num_tokens, top_k] int64, expert ids in [0, num_experts).
+        nonfinite_experts: optional [num_experts] bool, set in place for each expert whose
+            output holds a non-finite value in a row whose input row was finite (the health
+            check of `layers.moe_stats`).
 
     Returns:
         [num_tokens, hidden_size], hidden's dtype.
@@ -83,11 +91,15 @@ def moe_forward(
     num_experts = w13.shape[0]
     output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     tokens_per_expert = torch.bincount(topk_ids.flatten(), minlength=num_experts).tolist()
+    finite_rows = torch.isfinite(hidden).all(dim=-1) if nonfinite_experts is not None else None
     for expert_id, num_expert_tokens in enumerate(tokens_per_expert):
         if num_expert_tokens == 0:
             continue
         token_idx, choice_idx = torch.nonzero(topk_ids == expert_id, as_tuple=True)  # [n] each
         expert_out = expert_mlp(hidden[token_idx], w13[expert_id], w2[expert_id])  # [n, hidden]
+        if finite_rows is not None:
+            bad_rows = ~torch.isfinite(expert_out).all(dim=-1) & finite_rows[token_idx]  # [n]
+            nonfinite_experts[expert_id] |= bad_rows.any()
         weights = topk_weights[token_idx, choice_idx].float()[:, None]  # [n, 1]
         output.index_add_(0, token_idx, expert_out.float() * weights)
     return output.to(hidden.dtype)
@@ -103,7 +115,13 @@ class TorchMoe:
         return select_experts(router_logits, top_k, renormalize)
 
     def experts(
-        self, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+        self,
+        hidden: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
     ) -> Tensor:
         """See `moe_forward`: [T, H] in hidden's dtype."""
-        return moe_forward(hidden, w13, w2, topk_weights, topk_ids)
+        return moe_forward(hidden, w13, w2, topk_weights, topk_ids, nonfinite_experts)

@@ -7,6 +7,9 @@ Invariants:
 - Expert weights are stored fused: w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
 - The compute goes through a `MoeBackend` seam; the default is the PyTorch reference
   (`kernels.moe_ref.TorchMoe`) and a fused GPU kernel can replace it without touching weights.
+- Load and health (`layers.moe_stats.ExpertState`, created lazily on the weights' device): every
+  forward masks frozen experts' router logits with -inf before top-k, adds the routed tokens
+  per expert and folds in the backend's per-expert non-finite flags, all on the device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from sits.kernels.moe_ref import TorchMoe
+from sits.layers.moe_stats import ExpertState
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +51,19 @@ class MoeBackend(Protocol):
         ...
 
     def experts(
-        self, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor
+        self,
+        hidden: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
     ) -> Tensor:
-        """[T, H] hidden, [E, 2I, H] w13, [E, H, I] w2 -> [T, H] weighted expert sum."""
+        """[T, H] hidden, [E, 2I, H] w13, [E, H, I] w2 -> [T, H] weighted expert sum.
+
+        When `nonfinite_experts` ([E] bool) is given, set entry e when expert e's output holds
+        a non-finite value in a row whose input row was finite (without a host sync).
+        """
         ...
 
 
@@ -73,14 +87,41 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         self.moe_backend: MoeBackend = moe_backend if moe_backend is not None else TorchMoe()
+        self._expert_state: ExpertState | None = None
+
+    def expert_state(self) -> ExpertState:
+        """The layer's expert counters and frozen mask (made on the weights' device at first
+        use, so they survive meta-device construction; zeros, nothing frozen)."""
+        if self._expert_state is None:
+            self._expert_state = ExpertState.zeros(
+                self.config.num_experts, self.config.top_k, self.w13.device
+            )
+        return self._expert_state
+
+    def reset_expert_state(self) -> None:
+        """Forget counters, streaks and frozen experts (keeps `freeze_after`)."""
+        freeze_after = self.expert_state().freeze_after
+        self._expert_state = None
+        self.expert_state().freeze_after = freeze_after
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size], hidden's dtype."""
-        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
+        """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size], hidden's dtype.
+
+        Frozen experts get no tokens (their logit is -inf before top-k); the step's routing
+        and health flags are added to `expert_state()` on the device.
+        """
+        state = self.expert_state()
+        router_logits = state.mask_logits(self.gate(hidden))  # [num_tokens, num_experts]
         topk_weights, topk_ids = self.moe_backend.select_experts(
             router_logits, self.config.top_k, self.config.renormalize
         )  # [num_tokens, top_k] each
-        return self.moe_backend.experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        state.count(topk_ids)
+        nonfinite = torch.zeros(self.config.num_experts, dtype=torch.bool, device=hidden.device)
+        out = self.moe_backend.experts(
+            hidden, self.w13, self.w2, topk_weights, topk_ids, nonfinite
+        )  # [num_tokens, hidden_size]
+        state.check(topk_ids, torch.isfinite(hidden).all(dim=-1), nonfinite)
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.config}"

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import sits
+from sits.server.admin import admin_router
 from sits.server.context import ServerContext, ServerSettings
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
@@ -77,4 +78,5 @@ def build_app(
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
     app.include_router(ops_router)
     app.include_router(api_router)
+    app.include_router(admin_router)
     return app

@@ -41,6 +41,8 @@ class ServerSettings:
         enable_prompt_tokens_details: fill `usage.prompt_tokens_details.cached_tokens`
             (vLLM's flag of the same name; off by default, as in vLLM).
         audit: the audit log options (`--audit-log`); None = no audit log.
+        admin_key: the bearer key of the /v1/admin routes (`--admin-key`); None = those routes
+            answer 404.
 
     Raises:
         InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml).
@@ -57,6 +59,7 @@ class ServerSettings:
     qos: QosSettings = field(default_factory=QosSettings)
     enable_prompt_tokens_details: bool = False
     audit: AuditSettings | None = None
+    admin_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and self.tenants is not None:

@@ -10,7 +10,9 @@ hand it a small double for fault paths. The contract:
 Optional, read with `getattr` so small doubles still work: the stats' per-tenant `tenants`
 and `waiting` maps and prefill counters (`AsyncLLM.EngineStats`), and
 `set_borrowing_tiers(tiers)` (overload control); without them the QoS layer sees no tenant
-usage and no queue.
+usage and no queue. Likewise the MoE expert surface of /v1/admin (`expert_stats()`,
+`freeze_expert`, `unfreeze_expert`, `restore_expert`, each async and returning an
+`ExpertStats` or None) and `stats().experts`; without them the admin routes answer no layers.
 """
 
 from __future__ import annotations

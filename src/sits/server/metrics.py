@@ -11,6 +11,11 @@ sees every output of an engine request:
 - time per output token: (last_token_time - first_token_time) / (tokens - 1) per sample;
 - prompt tokens once per engine request (when its first output arrives), generation tokens as
   they arrive; request_success_total once per sample, labelled by its finish reason.
+MoE experts (from `stats.experts`, refreshed by the engine every few steps; absent for dense
+models): `sits:moe_expert_tokens_total{layer,expert}`, `sits:moe_expert_anomalous_checks_total
+{layer,expert}`, `sits:moe_expert_frozen{layer,expert}` (0/1), `sits:moe_expert_imbalance{layer}`
+(max/mean) and the alert counter `sits:moe_expert_auto_freezes_total`; labels are bounded by
+the model's layers x experts.
 The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
 (`sits.server.tenant_metrics`), when the recorder is given the tenant.
 Times are `time.monotonic()` seconds (the engine's timestamps except for inter-token latency).
@@ -94,6 +99,45 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
             yield counter
+        experts = getattr(stats, "experts", None)
+        if experts is not None:
+            yield from _expert_families(experts, self.model_name)
+
+
+def _expert_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The MoE expert metrics of an `ExpertStats` snapshot."""
+    cell = ["model_name", "layer", "expert"]
+    tokens = CounterMetricFamily(
+        "sits:moe_expert_tokens", "Tokens routed to each MoE expert.", labels=cell
+    )
+    anomalous = CounterMetricFamily(
+        "sits:moe_expert_anomalous_checks",
+        "Health checks in which the expert gave non-finite outputs.",
+        labels=cell,
+    )
+    frozen = GaugeMetricFamily(
+        "sits:moe_expert_frozen", "1 while the router masks the expert.", labels=cell
+    )
+    imbalance = GaugeMetricFamily(
+        "sits:moe_expert_imbalance",
+        "Max over mean of the tokens routed per expert, per MoE layer.",
+        labels=["model_name", "layer"],
+    )
+    for layer in experts.layers:
+        label = str(layer.layer_id)
+        imbalance.add_metric([model_name, label], layer.imbalance)
+        for expert_id, num_tokens in enumerate(layer.num_tokens):
+            cell_labels = [model_name, label, str(expert_id)]
+            tokens.add_metric(cell_labels, float(num_tokens))
+            anomalous.add_metric(cell_labels, float(layer.num_anomalous[expert_id]))
+            frozen.add_metric(cell_labels, float(layer.frozen[expert_id]))
+    alerts = CounterMetricFamily(
+        "sits:moe_expert_auto_freezes",
+        "Experts frozen by the health check (alert counter).",
+        labels=["model_name"],
+    )
+    alerts.add_metric([model_name], float(experts.num_auto_freezes))
+    yield from (tokens, anomalous, frozen, imbalance, alerts)
 
 
 class ServerMetrics:

@@ -1,0 +1,84 @@
+"""Reload one MoE expert's weights from its safetensors checkpoint (self-healing after a fault).
+
+Invariants:
+- Only the one expert's tensors are read (safetensors slices), whatever the checkpoint layout
+  the loader accepts: per-expert hub names (`layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`,
+  Mixtral's `layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}`) or fused expert tensors
+  (`layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]).
+- The copy into w13[e] / w2[e] happens in place (same storage, the block's dtype and device);
+  callers run it between steps (the engine thread).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from sits.core.errors import UnsupportedModelError
+from sits.models.loader import safetensors_files
+
+_PER_EXPERT = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_FUSED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+
+
+def read_expert_weights(model_dir: str, layer_id: int, expert_id: int) -> tuple[Tensor, Tensor]:
+    """The checkpoint's weights of one expert.
+
+    Args:
+        model_dir: the checkpoint directory (`ModelInfo.model_dir`).
+        layer_id: decoder layer index.
+        expert_id: expert index in that layer.
+
+    Returns:
+        (w13 [2I, H] gate rows then up rows, w2 [H, I]), the checkpoint's dtype, on the CPU.
+
+    Raises:
+        UnsupportedModelError: the checkpoint lacks a part of that expert.
+    """
+    parts: dict[str, Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                match = _PER_EXPERT.search(name)
+                if match and (int(match[1]), int(match[2])) == (layer_id, expert_id):
+                    parts[_PART.get(match[3], "down")] = f.get_tensor(name)
+                    continue
+                match = _FUSED.search(name)
+                if match and int(match[1]) == layer_id:
+                    fused = f.get_slice(name)[expert_id]  # [2I, H] or [H, I]
+                    if match[2] == "gate_up_proj":
+                        parts["gate"], parts["up"] = fused.chunk(2, dim=0)
+                    else:
+                        parts["down"] = fused
+    missing = {"gate", "up", "down"} - parts.keys()
+    if missing:
+        raise UnsupportedModelError(
+            f"{model_dir!r} has no {sorted(missing)} weights for layer {layer_id} expert "
+            f"{expert_id}"
+        )
+    return torch.cat([parts["gate"], parts["up"]], dim=0), parts["down"]
+
+
+def restore_expert(block, model_dir: str, layer_id: int, expert_id: int) -> None:
+    """Copy the checkpoint's weights of expert `expert_id` into `block` (a SparseMoeBlock).
+
+    Raises:
+        UnsupportedModelError: missing weights, or shapes that do not match the block.
+    """
+    w13, w2 = read_expert_weights(model_dir, layer_id, expert_id)
+    if w13.shape != block.w13.shape[1:] or w2.shape != block.w2.shape[1:]:
+        raise UnsupportedModelError(
+            f"checkpoint expert {layer_id}.{expert_id} has shapes {tuple(w13.shape)}, "
+            f"{tuple(w2.shape)}; the model expects {tuple(block.w13.shape[1:])}, "
+            f"{tuple(block.w2.shape[1:])}"
+        )
+    with torch.no_grad():
+        block.w13[expert_id].copy_(w13)
+        block.w2[expert_id].copy_(w2)

@@ -1,0 +1,315 @@
+"""Per-expert load and health of the sparse MoE layers: device-side accumulators, host snapshots
+and operator freeze/unfreeze.
+
+Invariants:
+- `ExpertState` lives on the expert weights' device and is updated inside the forward with
+  tensor ops only (index_add_, where, logical ops): no host synchronisation per step. The host
+  reads it only through `ExpertMonitor.read()` (one copy per layer).
+- A "check" of an expert is one forward in which it received at least one token whose input
+  row was finite; it is anomalous when one of those rows' outputs is non-finite. Rows already
+  non-finite on entry (a request poisoned earlier) never count against an expert.
+- After `freeze_after` consecutive anomalous checks the expert is frozen on the device at once
+  (the router masks its logit with -inf from the next forward on) while at least top_k
+  experts stay unfrozen (candidates beyond that stay routed, lowest expert ids frozen first).
+  Checks without tokens neither extend nor reset a streak.
+- Freezing changes routing only: the expert's weights stay where they are; `restore` reloads
+  them from the checkpoint (`layers.moe_restore`) and unfreezes the expert.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from sits.core.errors import InvalidParameterError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FREEZE_AFTER = 3
+
+
+@dataclass(slots=True)
+class ExpertState:
+    """Device accumulators of one MoE layer (all [num_experts], on the weights' device).
+
+    Attributes:
+        num_tokens: int64, tokens routed to each expert since start (one per top-k choice).
+        num_anomalous: int64, anomalous checks since start.
+        streak: int64, consecutive anomalous checks (reset by a clean check).
+        frozen: bool, experts the router masks.
+        top_k: experts per token (at most num_experts - top_k experts may be frozen).
+        freeze_after: consecutive anomalous checks that freeze an expert; 0 disables it.
+    """
+
+    num_tokens: Tensor
+    num_anomalous: Tensor
+    streak: Tensor
+    frozen: Tensor
+    top_k: int
+    freeze_after: int = DEFAULT_FREEZE_AFTER
+
+    @classmethod
+    def zeros(cls, num_experts: int, top_k: int, device: torch.device) -> ExpertState:
+        """Fresh counters, nothing frozen."""
+        zeros = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        return cls(
+            num_tokens=zeros,
+            num_anomalous=zeros.clone(),
+            streak=zeros.clone(),
+            frozen=torch.zeros(num_experts, dtype=torch.bool, device=device),
+            top_k=top_k,
+        )
+
+    def mask_logits(self, router_logits: Tensor) -> Tensor:
+        """[T, E] logits with the frozen experts' columns set to -inf (same dtype)."""
+        return router_logits.masked_fill(self.frozen, float("-inf"))
+
+    def count(self, topk_ids: Tensor) -> None:
+        """Add the step's routing: topk_ids [T, k] int64."""
+        flat = topk_ids.flatten()  # [T * k]
+        self.num_tokens.index_add_(0, flat, torch.ones_like(flat))
+
+    def check(self, topk_ids: Tensor, finite_rows: Tensor, anomalous: Tensor) -> None:
+        """Fold one health check in and freeze experts whose streak reached `freeze_after`.
+
+        Args:
+            topk_ids: [T, k] int64 routing of the step.
+            finite_rows: [T] bool, the token's input row was finite.
+            anomalous: [E] bool, the expert turned a finite row into a non-finite one.
+        """
+        counted = finite_rows[:, None].expand_as(topk_ids).flatten().long()  # [T * k]
+        checked = torch.zeros_like(self.streak).index_add_(0, topk_ids.flatten(), counted) > 0
+        anomalous = anomalous & checked
+        self.num_anomalous += anomalous.long()
+        self.streak.copy_(
+            torch.where(anomalous, self.streak + 1, torch.where(checked, 0, self.streak))
+        )  # [E]
+        if self.freeze_after <= 0:
+            return
+        candidates = (self.streak >= self.freeze_after) & ~self.frozen  # [E]
+        # Lowest expert ids first, while at least top_k experts stay unfrozen.
+        room = self.frozen.numel() - self.top_k - self.frozen.sum()  # [] int64
+        fits = torch.cumsum(candidates.long(), dim=0) <= room  # [E]
+        self.frozen |= candidates & fits
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayerStats:
+    """One MoE layer's experts as last read.
+
+    Attributes:
+        layer_id: decoder layer index.
+        num_tokens: tokens routed to each expert since start.
+        num_anomalous: anomalous (non-finite output) checks of each expert since start.
+        frozen: whether the router masks each expert.
+        imbalance: max / mean of `num_tokens` (1.0 = perfectly even; 0.0 before any token).
+    """
+
+    layer_id: int
+    num_tokens: tuple[int, ...]
+    num_anomalous: tuple[int, ...]
+    frozen: tuple[bool, ...]
+    imbalance: float
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertStats:
+    """A snapshot of every MoE layer's experts.
+
+    Attributes:
+        layers: one entry per MoE layer, in layer order.
+        num_experts: experts per layer.
+        freeze_after: consecutive anomalous checks that freeze an expert (0 = never).
+        num_auto_freezes: experts frozen by the health check since start (the alert counter).
+        num_restores: experts reloaded from the checkpoint since start.
+        num_steps: engine steps when read (-1 when unknown).
+    """
+
+    layers: tuple[ExpertLayerStats, ...] = ()
+    num_experts: int = 0
+    freeze_after: int = DEFAULT_FREEZE_AFTER
+    num_auto_freezes: int = 0
+    num_restores: int = 0
+    num_steps: int = -1
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the body of GET /v1/admin/experts)."""
+        return {
+            "num_experts": self.num_experts,
+            "freeze_after": self.freeze_after,
+            "num_auto_freezes": self.num_auto_freezes,
+            "num_restores": self.num_restores,
+            "num_steps": self.num_steps,
+            "layers": [
+                {
+                    "layer": layer.layer_id,
+                    "num_tokens": list(layer.num_tokens),
+                    "num_anomalous": list(layer.num_anomalous),
+                    "frozen": list(layer.frozen),
+                    "imbalance": layer.imbalance,
+                }
+                for layer in self.layers
+            ],
+        }
+
+
+def imbalance_of(num_tokens: tuple[int, ...]) -> float:
+    """max / mean of the per-expert token counts; 0.0 when no token was routed."""
+    total = sum(num_tokens)
+    if total == 0:
+        return 0.0
+    return max(num_tokens) * len(num_tokens) / total
+
+
+class ExpertMonitor:
+    """Reads and steers the expert state of a model's MoE layers (host side, one thread).
+
+    Args:
+        blocks: decoder layer id -> that layer's `SparseMoeBlock` (anything with an
+            `expert_state()` method returning `ExpertState`).
+        freeze_after: consecutive anomalous checks that freeze an expert; 0 disables freezing.
+
+    Attributes:
+        newly_frozen: (layer, expert) frozen by the health check since the previous `read`.
+
+    Raises:
+        InvalidParameterError: negative `freeze_after`.
+    """
+
+    def __init__(self, blocks: Mapping[int, nn.Module], freeze_after: int = DEFAULT_FREEZE_AFTER):
+        if freeze_after < 0:
+            raise InvalidParameterError("freeze_after", f"must be >= 0, got {freeze_after}")
+        self.blocks = dict(sorted(blocks.items()))
+        self.freeze_after = freeze_after
+        self.num_auto_freezes = 0
+        self.num_restores = 0
+        self.newly_frozen: list[tuple[int, int]] = []
+        self._operator_frozen: set[tuple[int, int]] = set()
+        self._known_frozen: set[tuple[int, int]] = set()
+        for block in self.blocks.values():
+            block.expert_state().freeze_after = freeze_after
+
+    @classmethod
+    def of_model(cls, model: nn.Module, freeze_after: int = DEFAULT_FREEZE_AFTER) -> ExpertMonitor:
+        """The monitor of every `SparseMoeBlock` in `model.model.layers` (may be empty)."""
+        from sits.layers.moe import SparseMoeBlock
+
+        blocks = {
+            layer_id: layer.mlp
+            for layer_id, layer in enumerate(model.model.layers)
+            if isinstance(layer.mlp, SparseMoeBlock)
+        }
+        return cls(blocks, freeze_after)
+
+    @property
+    def num_experts(self) -> int:
+        return next(iter(self.blocks.values())).config.num_experts if self.blocks else 0
+
+    def read(self, num_steps: int = -1) -> ExpertStats:
+        """Copy the device counters to the host (one sync) and log newly frozen experts."""
+        layers = []
+        self.newly_frozen = []
+        for layer_id, block in self.blocks.items():
+            state = block.expert_state()
+            host = torch.stack(
+                [state.num_tokens, state.num_anomalous, state.frozen.long()]
+            ).tolist()  # [3, E]
+            num_tokens = tuple(int(v) for v in host[0])
+            frozen = tuple(bool(v) for v in host[2])
+            for expert_id, is_frozen in enumerate(frozen):
+                key = (layer_id, expert_id)
+                if is_frozen and key not in self._known_frozen:
+                    self._known_frozen.add(key)
+                    if key not in self._operator_frozen:
+                        self.num_auto_freezes += 1
+                        self.newly_frozen.append(key)
+                        logger.warning(
+                            "MoE expert frozen: layer %d expert %d gave non-finite outputs in "
+                            "%d consecutive checks; routing around it",
+                            layer_id,
+                            expert_id,
+                            self.freeze_after,
+                        )
+                elif not is_frozen:
+                    self._known_frozen.discard(key)
+            layers.append(
+                ExpertLayerStats(
+                    layer_id=layer_id,
+                    num_tokens=num_tokens,
+                    num_anomalous=tuple(int(v) for v in host[1]),
+                    frozen=frozen,
+                    imbalance=imbalance_of(num_tokens),
+                )
+            )
+        return ExpertStats(
+            layers=tuple(layers),
+            num_experts=self.num_experts,
+            freeze_after=self.freeze_after,
+            num_auto_freezes=self.num_auto_freezes,
+            num_restores=self.num_restores,
+            num_steps=num_steps,
+        )
+
+    def _state(self, layer_id: int, expert_id: int) -> ExpertState:
+        block = self.blocks.get(layer_id)
+        if block is None:
+            raise InvalidParameterError(
+                "layer", f"layer {layer_id} is not an MoE layer (MoE layers: {list(self.blocks)})"
+            )
+        num_experts = block.config.num_experts
+        if not 0 <= expert_id < num_experts:
+            raise InvalidParameterError("expert", f"expert must be in [0, {num_experts})")
+        return block.expert_state()
+
+    def freeze(self, layer_id: int, expert_id: int) -> None:
+        """Mask an expert in its layer's router from the next forward on (operator command).
+
+        Raises:
+            InvalidParameterError: no such MoE layer or expert, or freezing it would leave
+                fewer than top_k experts.
+        """
+        state = self._state(layer_id, expert_id)
+        with torch.inference_mode():  # the state may be inference tensors (made in a forward)
+            frozen = state.frozen.clone()
+            frozen[expert_id] = True
+            if int(frozen.sum()) > frozen.numel() - state.top_k:
+                raise InvalidParameterError(
+                    "expert", f"freezing it would leave fewer than top_k={state.top_k} experts"
+                )
+            state.frozen[expert_id] = True
+        self._operator_frozen.add((layer_id, expert_id))
+        logger.warning("MoE expert frozen by an operator: layer %d expert %d", layer_id, expert_id)
+
+    def unfreeze(self, layer_id: int, expert_id: int) -> None:
+        """Route to the expert again and clear its anomaly streak (operator command).
+
+        Raises:
+            InvalidParameterError: no such MoE layer or expert.
+        """
+        state = self._state(layer_id, expert_id)
+        with torch.inference_mode():
+            state.frozen[expert_id] = False
+            state.streak[expert_id] = 0
+        self._operator_frozen.discard((layer_id, expert_id))
+        logger.warning("MoE expert unfrozen: layer %d expert %d", layer_id, expert_id)
+
+    def restore(self, layer_id: int, expert_id: int, model_dir: str) -> None:
+        """Reload the expert's weights from the checkpoint in `model_dir`, then unfreeze it.
+
+        Raises:
+            InvalidParameterError: no such MoE layer or expert.
+            UnsupportedModelError: the checkpoint lacks that expert's weights.
+        """
+        from sits.layers.moe_restore import restore_expert  # the loader imports this package
+
+        self._state(layer_id, expert_id)
+        restore_expert(self.blocks[layer_id], model_dir, layer_id, expert_id)
+        self.num_restores += 1
+        logger.warning(
+            "MoE expert restored from the checkpoint: layer %d expert %d", layer_id, expert_id
+        )
+        self.unfreeze(layer_id, expert_id)
