@@ -22,6 +22,7 @@ on the engine thread between steps, so requests in flight continue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,6 +41,7 @@ from sits.engine.builder import build_engine
 from sits.engine.core import WaitingLoad
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.kvcache.host_pool import SwapStats
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertMonitor, ExpertStats
 from sits.sched.config import TenantPolicy, TenantTier
 from sits.sched.tenants import TenantSchedStats
@@ -78,6 +80,8 @@ class EngineStats:
         num_prefix_cache_query_tokens: prompt tokens looked up in the prefix cache since start
             (the scheduler's `prefix_cache_stats.num_query_tokens`).
         num_prefix_cache_hit_tokens: of those, tokens served from the cache since start.
+        swap: the host tier's swap and recompute counters since start (a copy).
+        num_host_blocks_used, num_host_blocks_total: host KV blocks (0 without a host tier).
         experts: the MoE experts' load, health and frozen flags as last read (every few
             steps, see the module docstring); None for a dense model.
         time_s: time.monotonic() when the snapshot was taken.
@@ -99,6 +103,9 @@ class EngineStats:
     borrowing_tiers: tuple[str, ...] = _ALL_TIERS
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    swap: SwapStats = field(default_factory=SwapStats)
+    num_host_blocks_used: int = 0
+    num_host_blocks_total: int = 0
     experts: ExpertStats | None = None
     time_s: float = 0.0
 
@@ -470,6 +477,9 @@ class AsyncLLM:
             borrowing_tiers=self._borrowing_tiers,
             num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
+            swap=dataclasses.replace(sched.swap_stats),
+            num_host_blocks_used=sched.host.num_used_blocks,
+            num_host_blocks_total=sched.config.num_host_blocks,
             experts=self._expert_stats,
             time_s=now_s,
         )

@@ -99,9 +99,40 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
             yield counter
+        yield from _host_tier_families(stats, self.model_name)
         experts = getattr(stats, "experts", None)
         if experts is not None:
             yield from _expert_families(experts, self.model_name)
+
+
+def _host_tier_families(
+    stats, model_name: str
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Host KV tier metrics: swap traffic, recomputed prefill tokens, host blocks in use."""
+    swap = getattr(stats, "swap", None)
+    if swap is None:
+        return
+    counters = (
+        ("sits:kv_swap_out_blocks", "KV blocks copied device -> host.", swap.num_swap_out_blocks),
+        ("sits:kv_swap_in_blocks", "KV blocks copied host -> device.", swap.num_swap_in_blocks),
+        ("sits:kv_swapped_bytes", "KV bytes copied between tiers.", swap.num_swapped_bytes),
+        (
+            "sits:recomputed_prefill_tokens",
+            "Computed tokens dropped by recompute preemption (prefilled again later).",
+            swap.num_recomputed_tokens,
+        ),
+    )
+    for name, doc, value in counters:
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric([model_name], float(value))
+        yield counter
+    for name, doc, value in (
+        ("sits:host_kv_blocks_used", "Host KV blocks in use.", stats.num_host_blocks_used),
+        ("sits:host_kv_blocks_total", "Host KV blocks in all.", stats.num_host_blocks_total),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+        gauge.add_metric([model_name], float(value))
+        yield gauge
 
 
 def _expert_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
