@@ -1,4 +1,5 @@
-"""Per-request checks of the scheduler: refusing requests that can never run, and stop rules.
+"""Per-request functions of the scheduler: refusing requests that can never run, stop rules,
+and the engine output of a request's step.
 
 Pure functions of a request and the config (no scheduler state).
 """
@@ -6,6 +7,7 @@ Pure functions of a request and the config (no scheduler state).
 from __future__ import annotations
 
 from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.outputs import EngineCoreOutput, TokenLogprobs
 from sits.core.request import FinishReason, Request
 from sits.kvcache.kv_manager import cdiv
 from sits.sched.config import SchedulerConfig
@@ -65,3 +67,21 @@ def validate_request(request: Request, config: SchedulerConfig) -> None:
             f"{config.block_size} tokens, but the KV cache holds only "
             f"{config.num_usable_blocks} blocks. Please reduce the prompt or max_tokens."
         )
+
+
+def engine_output(
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None,
+    prompt_logprobs: list[TokenLogprobs | None] | None,
+) -> EngineCoreOutput:
+    """What one step (or a finish from outside) produced for `request`."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=logprobs,
+        new_prompt_logprobs=prompt_logprobs,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )

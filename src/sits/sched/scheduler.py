@@ -46,12 +46,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
-from sits.core.outputs import EngineCoreOutput, TokenLogprobs
+from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
 from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats, cdiv
-from sits.sched.checks import check_stop, validate_request
+from sits.sched.checks import check_stop, engine_output, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
 from sits.sched.swap import SwapPlanner
@@ -146,7 +146,7 @@ class Scheduler:
             if request is None:
                 continue
             self._finish(request, reason, stop_reason)
-            outputs.append(self._output(request, [], None, None))
+            outputs.append(engine_output(request, [], None, None))
         self._drop_finished()
         return outputs
 
@@ -559,7 +559,7 @@ class Scheduler:
             self._finish(request, *finish)
         if not new_token_ids and logprobs is None and prompt_logprobs is None and finish is None:
             return None
-        return self._output(request, new_token_ids, logprobs, prompt_logprobs)
+        return engine_output(request, new_token_ids, logprobs, prompt_logprobs)
 
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None
@@ -585,20 +585,3 @@ class Scheduler:
 
     def _drop_finished(self) -> None:
         self._running = [r for r in self._running if not r.is_finished]
-
-    def _output(
-        self,
-        request: Request,
-        new_token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None,
-        prompt_logprobs: list[TokenLogprobs | None] | None,
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=logprobs,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
