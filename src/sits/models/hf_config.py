@@ -15,6 +15,7 @@ from typing import Any
 
 from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.attention import AttentionConfig
+from sits.layers.decoder import DecoderConfig
 from sits.layers.rotary import RopeConfig
 
 
@@ -133,3 +134,32 @@ def architecture_of(hf_config: Any) -> str:
     """`architectures[0]` of the config ("" when absent)."""
     architectures = getattr(hf_config, "architectures", None) or []
     return architectures[0] if architectures else ""
+
+
+def decoder_config_of(
+    hf_config: Any,
+    default_architecture: str,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool,
+    **family_fields: Any,
+) -> DecoderConfig:
+    """The DecoderConfig fields every family shares, plus the family's own (`family_fields`:
+    e.g. `mlp_bias`, `moe`, `moe_layer_ids`). Checks `check_supported` first.
+
+    Raises:
+        UnsupportedModelError: an option that would change results is not implemented.
+    """
+    check_supported(hf_config)
+    return DecoderConfig(
+        architecture=architecture_of(hf_config) or default_architecture,
+        vocab_size=hf_config.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        attention=attention_config_of(hf_config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm),
+        intermediate_size=hf_config.intermediate_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        max_position_embeddings=hf_config.max_position_embeddings,
+        **family_fields,
+    )

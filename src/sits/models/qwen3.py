@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from sits.layers.decoder import DecoderConfig, DecoderForCausalLM
-from sits.models.hf_config import architecture_of, attention_config_of, check_supported
+from sits.models.hf_config import decoder_config_of
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
@@ -16,17 +16,11 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     @staticmethod
     def config_from_hf(hf_config: Any) -> DecoderConfig:
         """Map a transformers Qwen3Config (UnsupportedModelError for unsupported options)."""
-        check_supported(hf_config)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        return DecoderConfig(
-            architecture=architecture_of(hf_config) or "Qwen3ForCausalLM",
-            vocab_size=hf_config.vocab_size,
-            num_layers=hf_config.num_hidden_layers,
-            attention=attention_config_of(
-                hf_config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True
-            ),
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=hf_config.max_position_embeddings,
+        return decoder_config_of(
+            hf_config,
+            "Qwen3ForCausalLM",
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            qk_norm=True,
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 from sits.layers.decoder import DecoderConfig, DecoderForCausalLM
 from sits.layers.moe import MoeConfig
-from sits.models.hf_config import architecture_of, attention_config_of, check_supported
+from sits.models.hf_config import decoder_config_of
 
 
 def _num_experts(hf_config: Any) -> int:
@@ -26,7 +26,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     @staticmethod
     def config_from_hf(hf_config: Any) -> DecoderConfig:
         """Map a transformers Qwen3MoeConfig (UnsupportedModelError for unsupported options)."""
-        check_supported(hf_config)
         num_experts = _num_experts(hf_config)
         sparse_step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -36,17 +35,12 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
         )
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        return DecoderConfig(
-            architecture=architecture_of(hf_config) or "Qwen3MoeForCausalLM",
-            vocab_size=hf_config.vocab_size,
-            num_layers=hf_config.num_hidden_layers,
-            attention=attention_config_of(
-                hf_config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True
-            ),
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=hf_config.max_position_embeddings,
+        return decoder_config_of(
+            hf_config,
+            "Qwen3MoeForCausalLM",
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            qk_norm=True,
             moe=MoeConfig(
                 num_experts=num_experts,
                 top_k=hf_config.num_experts_per_tok,

@@ -67,10 +67,10 @@ class Sampler:
         assert num_rows == len(states), "one sampling state per logits row"
         device = logits.device
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        raw_logprobs = None
+        raw_logprobs = logprob_index = None
         if logprob_rows:
-            index = torch.tensor(logprob_rows, dtype=torch.long, device=device)
-            raw_logprobs = log_softmax_f32(logits.index_select(0, index))  # [L, V]
+            logprob_index = torch.tensor(logprob_rows, dtype=torch.long, device=device)  # [L]
+            raw_logprobs = log_softmax_f32(logits.index_select(0, logprob_index))  # [L, V]
 
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         apply_penalties(logits, states)
@@ -86,9 +86,9 @@ class Sampler:
 
         entries: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            index = torch.tensor(logprob_rows, dtype=torch.long, device=device)
             num_top = [states[i].params.logprobs or 0 for i in logprob_rows]
-            rows = gather_logprobs(raw_logprobs, token_ids.index_select(0, index), num_top)
+            chosen = token_ids.index_select(0, logprob_index)  # [L]
+            rows = gather_logprobs(raw_logprobs, chosen, num_top)
             for i, entry in zip(logprob_rows, rows):
                 entries[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=entries)
