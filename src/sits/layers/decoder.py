@@ -128,6 +128,8 @@ class DecoderLayer(nn.Module):
         normed, residual = self.input_layernorm(hidden, residual)
         attn_out = self.self_attn(positions, normed, ctx)  # [num_tokens, hidden_size]
         normed, residual = self.post_attention_layernorm(attn_out, residual)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(normed, ctx.token_mask), residual
         return self.mlp(normed), residual
 
 

@@ -91,8 +91,11 @@ class ForwardContext:
             head_dim] in the model dtype (kv_cache_dtype "auto"), or a `QuantizedKVCache`
             (fp8/int8; see `sits.kernels.kv_quant_ref`).
         attn_backend: the attention implementation.
+        token_mask: [num_tokens] bool, False on padding tokens (a decode batch padded to a
+            CUDA-graph size); None = every token is real. MoE statistics skip padding.
     """
 
     attn_metadata: AttentionMetadata
     kv_caches: list[Tensor] | list[QuantizedKVCache]
     attn_backend: AttentionBackend
+    token_mask: Tensor | None = None

@@ -99,28 +99,34 @@ class SparseMoeBlock(nn.Module):
         return self._expert_state
 
     def reset_expert_state(self) -> None:
-        """Forget counters, streaks and frozen experts (keeps `freeze_after`)."""
-        freeze_after = self.expert_state().freeze_after
-        self._expert_state = None
-        self.expert_state().freeze_after = freeze_after
+        """Forget counters, streaks and frozen experts (keeps `freeze_after`), in place: a
+        captured CUDA graph keeps reading and writing the same tensors."""
+        state = self.expert_state()
+        with torch.inference_mode():
+            for tensor in (state.num_tokens, state.num_anomalous, state.streak, state.frozen):
+                tensor.zero_()
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
         """hidden: [num_tokens, hidden_size] -> [num_tokens, hidden_size], hidden's dtype.
 
         Frozen experts get no tokens (their logit is -inf before top-k); the step's routing
-        and health flags are added to `expert_state()` on the device.
+        and health flags are added to `expert_state()` on the device. `token_mask`
+        ([num_tokens] bool, None = all) leaves padding tokens out of the counts and checks.
         """
         state = self.expert_state()
         router_logits = state.mask_logits(self.gate(hidden))  # [num_tokens, num_experts]
         topk_weights, topk_ids = self.moe_backend.select_experts(
             router_logits, self.config.top_k, self.config.renormalize
         )  # [num_tokens, top_k] each
-        state.count(topk_ids)
+        state.count(topk_ids, token_mask)
         nonfinite = torch.zeros(self.config.num_experts, dtype=torch.bool, device=hidden.device)
         out = self.moe_backend.experts(
             hidden, self.w13, self.w2, topk_weights, topk_ids, nonfinite
         )  # [num_tokens, hidden_size]
-        state.check(topk_ids, torch.isfinite(hidden).all(dim=-1), nonfinite)
+        finite_rows = torch.isfinite(hidden).all(dim=-1)  # [num_tokens]
+        if token_mask is not None:
+            finite_rows = finite_rows & token_mask
+        state.check(topk_ids, finite_rows, nonfinite)
         return out
 
     def extra_repr(self) -> str:

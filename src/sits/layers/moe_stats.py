@@ -68,10 +68,15 @@ class ExpertState:
         """[T, E] logits with the frozen experts' columns set to -inf (same dtype)."""
         return router_logits.masked_fill(self.frozen, float("-inf"))
 
-    def count(self, topk_ids: Tensor) -> None:
-        """Add the step's routing: topk_ids [T, k] int64."""
+    def count(self, topk_ids: Tensor, token_mask: Tensor | None = None) -> None:
+        """Add the step's routing: topk_ids [T, k] int64; token_mask [T] bool (None = all)
+        leaves padding tokens out."""
         flat = topk_ids.flatten()  # [T * k]
-        self.num_tokens.index_add_(0, flat, torch.ones_like(flat))
+        if token_mask is None:
+            ones = torch.ones_like(flat)
+        else:
+            ones = token_mask[:, None].expand_as(topk_ids).flatten().long()  # [T * k]
+        self.num_tokens.index_add_(0, flat, ones)
 
     def check(self, topk_ids: Tensor, finite_rows: Tensor, anomalous: Tensor) -> None:
         """Fold one health check in and freeze experts whose streak reached `freeze_after`.

@@ -1,9 +1,13 @@
 """`ModelRunner`: runs one step of a `StepPlan` on the model and samples.
 
-It owns everything on the device: the model weights, the paged KV cache, and each request's
-sampling state (its random generator survives preemption, so a seeded request gives the same
-tokens after it is resumed). It never imports the scheduler. This is the plain PyTorch path
-(CPU and eager GPU); the CUDA-graph fast path plugs in behind the same `run()`.
+It owns everything on the device: the model weights, the paged KV cache, the persistent input
+buffers, the decode CUDA graphs, and each request's sampling state (its random generator
+survives preemption, so a seeded request gives the same tokens after it is resumed). It never
+imports the scheduler.
+
+On CUDA with Triton the attention (and, when available, the MoE) run as Triton kernels and a
+pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
+`enforce_eager`); everything else (prefill and mixed steps, the CPU) runs eagerly.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from torch import Tensor
 from sits.config import EngineConfig
 from sits.core.outputs import TokenLogprobs
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
-from sits.kernels.attention_ref import TorchPagedAttention
 from sits.layers.forward_context import ForwardContext
 from sits.models.loader import load_model
-from sits.runner.inputs import build_step_inputs
+from sits.runner.backends import graph_safe, select_attention_backend, select_moe_backend
+from sits.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
     kv_bytes_per_block,
@@ -58,7 +63,12 @@ class ModelRunner:
         self.device = info.device
         self.dtype = info.dtype
         self.block_size = config.block_size
-        self.model = load_model(info.model_dir, dtype=self.dtype, device=self.device)
+        self.model = load_model(
+            info.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            moe_backend=select_moe_backend(self.device),
+        )
         self.model.eval()
         arch = self.model.arch
         self.kv_cache_dtype = config.kv_cache_dtype
@@ -105,13 +115,41 @@ class ModelRunner:
         if self.num_host_blocks > 0:
             self.host_kv = HostKVCache(self.kv_caches, self.num_host_blocks)
             logger.info("host KV tier: %d blocks", self.num_host_blocks)
-        self.attn_backend = TorchPagedAttention()
+        self.attn_backend = select_attention_backend(
+            self.device, arch.head_dim, self.kv_cache_dtype
+        )
+        self.buffers = InputBuffers(
+            max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-info.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
+            self.graphs = DecodeGraphs(
+                self.model, self.buffers, self.kv_caches, arch.num_kv_heads, arch.head_dim
+            )
+            self.graphs.capture(graph_batch_sizes(config.max_num_seqs))
+        logger.info(
+            "attention %s, MoE %s, decode CUDA graphs: %s",
+            type(self.attn_backend).__name__,
+            self._moe_backend_name(),
+            self.graphs.batch_sizes if self.graphs else "off",
+        )
         self.sampler = Sampler()
         self._seed_source = random.Random(config.seed)
         self._states: dict[str, SamplingState] = {}
         # Prompt logprobs already returned per request (a resumed request recomputes its
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
+
+    def _moe_backend_name(self) -> str:
+        for module in self.model.modules():
+            backend = getattr(module, "moe_backend", None)
+            if backend is not None:
+                return type(backend).__name__
+        return "none (dense)"
 
     def _kv_dtype_name(self) -> str:
         """The KV storage for logs: "float32", "fp8 (float8_e4m3fn, per-head scales)", ..."""
@@ -143,12 +181,29 @@ class ModelRunner:
         result = StepResult()
         if plan.is_empty:
             return result
-        inputs = build_step_inputs(plan, self.block_size, self.device)
-        ctx = ForwardContext(inputs.metadata, self.kv_caches, self.attn_backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
-        self._prompt_logprobs(plan, inputs.last_token_indices, hidden, result)
-        self._sample(plan, inputs.last_token_indices, hidden, result)
+        hidden, last_indices = self._forward(plan)  # [num_tokens (+ padding), hidden]
+        self._prompt_logprobs(plan, last_indices, hidden, result)
+        self._sample(plan, last_indices, hidden, result)
         return result
+
+    def _forward(self, plan: StepPlan) -> tuple[Tensor, list[int]]:
+        """The step's hidden states: a graph replay for a pure decode step that fits a captured
+        size, else an eager forward.
+
+        Returns:
+            ([num_tokens (+ padding rows), hidden_size] hidden states, the flat index of each
+            scheduled request's last token).
+        """
+        graph_size = None
+        if self.graphs is not None and all(sr.num_tokens == 1 for sr in plan.scheduled):
+            graph_size = self.graphs.padded_size(len(plan.scheduled))
+        inputs = self.buffers.prepare(plan, pad_to_seqs=graph_size)
+        if graph_size is not None:
+            return self.graphs.replay(graph_size), inputs.last_token_indices
+        ctx = ForwardContext(
+            inputs.metadata, self.kv_caches, self.attn_backend, token_mask=inputs.token_mask
+        )
+        return self.model(inputs.input_ids, inputs.positions, ctx), inputs.last_token_indices
 
     def _new_state(self, new: NewRequestData) -> SamplingState:
         return SamplingState.create(

@@ -1,17 +1,28 @@
 """`HostKVCache`: the host tier's KV tensors and the device <-> host block copies of a step.
 
-Layout: one host tensor per layer, [2, num_host_blocks, block_size, num_kv_heads, head_dim] in
-the device cache's dtype (the same per-block layout), pinned when the device is CUDA so copies
-can be asynchronous. Only plain-tensor caches (kv_cache_dtype "auto") are supported;
-`EngineConfig` refuses a host tier with a quantized cache.
+Layout: one host tensor [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in
+the device cache's dtype, so a host block (all layers) is one contiguous range; `caches` are
+per-layer views of it, [2, num_host_blocks, block_size, num_kv_heads, head_dim], the device
+cache's per-block layout. On CUDA it is pinned, so copies are asynchronous DMA. Only
+plain-tensor caches (kv_cache_dtype "auto") are supported; `EngineConfig` refuses a host tier
+with a quantized cache.
 
-Invariants:
-- `copy_blocks` runs every swap-out before every swap-in, and the runner calls it before the
-  step's forward: a device block freed by a swap-out this step may be the target of a swap-in
-  or of the forward's KV writes in the same step.
-- Swap-outs are synchronous (the host tensor holds the data when `copy_blocks` returns);
-  swap-ins are issued with non_blocking=True on CUDA and ordered before the forward by the
-  current stream. A separate copy stream overlapping compute is a later optimisation.
+Semantics of `copy_blocks(device_caches, swap_out, swap_in)` (the `StepPlan` contract): every
+swap-out reads its device block before any swap-in or the step's forward writes it, and every
+swap-in sees the host data as left by the swap-outs of the same call; the step's forward, issued
+after the call on the current stream, sees the swapped-in blocks.
+
+CPU: synchronous copies, swap-outs then swap-ins.
+CUDA: copies run on a side stream, ordered by events:
+1. the side stream waits for the current stream (the previous forward wrote the KV read now);
+2. swap-outs gather their device blocks into a device staging buffer (device-to-device);
+3. swap-ins fill a device staging buffer from pinned host memory (DMA), or from (2)'s staging
+   buffer for host blocks written by this call, and scatter it into their device blocks;
+4. an event recorded here is waited for by the current stream, so the forward starts only
+   after (2) and (3): swapped-in blocks are in place and reused device blocks were read;
+5. the device -> host DMA of (2)'s staging buffer runs after the event, overlapping with the
+   forward. Later calls use the same side stream, so a host block is never read or rewritten
+   before an earlier DMA into it finished. `synchronize()` waits for everything (tests).
 """
 
 from __future__ import annotations
@@ -27,29 +38,51 @@ def num_host_blocks(cpu_offload_gb: float, bytes_per_block: int) -> int:
     return int(cpu_offload_gb * GIB_BYTES) // bytes_per_block
 
 
+def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Maximal runs of (row, host id) pairs where both go up by one, as (first row, first host
+    id, length): one DMA per run.
+
+    Example: [(0, 4), (1, 5), (2, 6), (3, 9), (5, 10)] -> [(0, 4, 3), (3, 9, 1), (5, 10, 1)].
+    """
+    runs: list[tuple[int, int, int]] = []
+    for row, host_id in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == row and runs[-1][1] + runs[-1][2] == host_id:
+            first_row, first_id, length = runs[-1]
+            runs[-1] = (first_row, first_id, length + 1)
+        else:
+            runs.append((row, host_id, 1))
+    return runs
+
+
 class HostKVCache:
-    """Host copies of KV blocks, one tensor per layer.
+    """Host copies of KV blocks for all layers.
 
     Args:
-        device_caches: the device KV caches (plain tensors), each
+        device_caches: the device KV caches (plain tensors, one shape and dtype), each
             [2, num_blocks, block_size, num_kv_heads, head_dim].
         num_blocks: host blocks to allocate (>= 1).
+
+    Attributes:
+        blocks: [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        caches: per layer, a [2, num_host_blocks, block_size, num_kv_heads, head_dim] view.
     """
 
     def __init__(self, device_caches: list[Tensor], num_blocks: int) -> None:
         assert num_blocks >= 1 and device_caches, num_blocks
         assert all(isinstance(c, Tensor) for c in device_caches), "plain-tensor caches only"
-        self.device = device_caches[0].device
-        pin = self.device.type == "cuda"
+        first = device_caches[0]
+        assert all(c.shape == first.shape and c.dtype == first.dtype for c in device_caches)
+        self.device = first.device
         self.num_blocks = num_blocks
-        self.caches = [
-            torch.zeros(
-                (c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype, device="cpu"
-            ).pin_memory()
-            if pin
-            else torch.zeros((c.shape[0], num_blocks, *c.shape[2:]), dtype=c.dtype)
-            for c in device_caches
-        ]  # each [2, num_host_blocks, block_size, num_kv_heads, head_dim]
+        shape = (num_blocks, len(device_caches), *first.shape[:1], *first.shape[2:])
+        if self.device.type == "cuda":
+            # Never read before written: no need to spend seconds zeroing gigabytes.
+            self.blocks = torch.empty(shape, dtype=first.dtype, pin_memory=True)
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)
+        else:
+            self.blocks = torch.zeros(shape, dtype=first.dtype)
+            self._stream = None
+        self.caches = [self.blocks[:, layer].transpose(0, 1) for layer in range(len(device_caches))]
 
     def copy_blocks(
         self,
@@ -57,7 +90,29 @@ class HostKVCache:
         swap_out: list[tuple[int, int]],
         swap_in: list[tuple[int, int]],
     ) -> None:
-        """Copy (device, host) pairs out, then (host, device) pairs in, for every layer."""
+        """Copy (device, host) pairs out, then (host, device) pairs in, for every layer.
+
+        On CUDA the current stream waits for the copies the forward depends on; the
+        device -> host transfers finish in the background (see the module docstring).
+        """
+        if not swap_out and not swap_in:
+            return
+        if self._stream is None:
+            self._copy_sync(device_caches, swap_out, swap_in)
+        else:
+            self._copy_cuda(device_caches, swap_out, swap_in, self._stream)
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued so far has finished (no-op on the CPU)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy_sync(
+        self,
+        device_caches: list[Tensor],
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
         if swap_out:
             dev_ids = torch.tensor([d for d, _ in swap_out], device=self.device)
             host_ids = torch.tensor([h for _, h in swap_out])
@@ -65,11 +120,67 @@ class HostKVCache:
                 blocks = dev.index_select(1, dev_ids)  # [2, n, block_size, kv_heads, dim]
                 host.index_copy_(1, host_ids, blocks.to("cpu"))
         if swap_in:
-            non_blocking = self.device.type == "cuda"
             host_ids = torch.tensor([h for h, _ in swap_in])
             dev_ids = torch.tensor([d for _, d in swap_in], device=self.device)
             for dev, host in zip(device_caches, self.caches):
                 blocks = host.index_select(1, host_ids)  # [2, n, block_size, kv_heads, dim]
-                if non_blocking:
-                    blocks = blocks.pin_memory()
-                dev.index_copy_(1, dev_ids, blocks.to(self.device, non_blocking=non_blocking))
+                dev.index_copy_(1, dev_ids, blocks.to(self.device))
+
+    def _copy_cuda(
+        self,
+        device_caches: list[Tensor],
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        side: torch.cuda.Stream,
+    ) -> None:
+        main = torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out_pairs = sorted(swap_out, key=lambda pair: pair[1])
+            staged_out = self._gather(device_caches, [d for d, _ in out_pairs])
+            out_rows = {host_id: row for row, (_, host_id) in enumerate(out_pairs)}
+            if swap_in:
+                self._load(device_caches, swap_in, staged_out, out_rows)
+            ready = torch.cuda.Event()
+            ready.record(side)
+            for row, host_id, length in copy_runs([(r, h) for r, (_, h) in enumerate(out_pairs)]):
+                dst = self.blocks[host_id : host_id + length]
+                dst.copy_(staged_out[row : row + length], non_blocking=True)
+        main.wait_event(ready)
+
+    def _gather(self, device_caches: list[Tensor], dev_ids: list[int]) -> Tensor:
+        """Device blocks in host layout: [n, num_layers, 2, block_size, kv_heads, dim]."""
+        staged = torch.empty(
+            (len(dev_ids), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device
+        )
+        if dev_ids:
+            index = torch.tensor(dev_ids, device=self.device)
+            for layer, dev in enumerate(device_caches):
+                # [2, n, block_size, kv_heads, dim] -> [n, 2, block_size, kv_heads, dim]
+                staged[:, layer].copy_(dev.index_select(1, index).transpose(0, 1))
+        return staged
+
+    def _load(
+        self,
+        device_caches: list[Tensor],
+        swap_in: list[tuple[int, int]],
+        staged_out: Tensor,
+        out_rows: dict[int, int],
+    ) -> None:
+        """Swap-ins on the side stream: host (or this call's staged swap-outs) -> device."""
+        pairs = sorted(swap_in, key=lambda pair: pair[0])
+        staged = torch.empty(
+            (len(pairs), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device
+        )  # [n, num_layers, 2, block_size, kv_heads, dim]
+        from_host = []  # (row, host id) of blocks the host holds already
+        for row, (host_id, _) in enumerate(pairs):
+            if host_id in out_rows:  # written by this call: take the new data
+                staged[row].copy_(staged_out[out_rows[host_id]])
+            else:
+                from_host.append((row, host_id))
+        for row, host_id, length in copy_runs(from_host):
+            src = self.blocks[host_id : host_id + length]
+            staged[row : row + length].copy_(src, non_blocking=True)
+        index = torch.tensor([d for _, d in pairs], device=self.device)
+        for layer, dev in enumerate(device_caches):
+            dev.index_copy_(1, index, staged[:, layer].transpose(0, 1))

@@ -1,0 +1,162 @@
+"""CUDA graphs of the decode forward, one per batch size, replayed over the persistent inputs.
+
+A decode step (every scheduled sequence has one new token) of n sequences replays the graph
+of the smallest captured batch size >= n, after `InputBuffers.prepare(plan, pad_to_seqs=size)`
+wrote the real inputs and the padding into the buffers the graph reads.
+
+Invariants:
+- Batch sizes follow the issue's plan: 1, 2, 4, 8, then steps of 8 up to max_num_seqs (and
+  max_num_seqs itself); captured largest first so smaller graphs reuse the one memory pool.
+- Each size gets its own `TritonPagedAttention` with a fixed split count (the heuristic reads
+  max_seq_len, which a graph cannot); the split length is computed per sequence in the kernel,
+  so any context length works.
+- Warm-up forwards (which compile the Triton kernels) run with token_mask all False, so the MoE
+  statistics do not count them; they write no KV (slot -1).
+
+Reference: CUDA graphs (NVIDIA CUDA Programming Guide, "CUDA Graphs"); the padded-replay scheme
+is the one vLLM and SGLang describe for decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from sits.kernels.triton_utils import cdiv
+from sits.layers.forward_context import AttentionMetadata, ForwardContext
+from sits.runner.input_buffers import InputBuffers
+
+logger = logging.getLogger(__name__)
+
+H200_NUM_SMS = 132
+_TARGET_PROGRAMS = 2 * H200_NUM_SMS
+_MAX_SPLITS = 16
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to max_num_seqs, plus max_num_seqs; ascending."""
+    sizes = {size for size in (1, 2, 4, 8) if size <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def decode_splits_for(batch_size: int, num_kv_heads: int) -> int:
+    """Split-K count of a captured decode graph: about two programs per SM, at most 16."""
+    return max(1, min(_MAX_SPLITS, cdiv(_TARGET_PROGRAMS, batch_size * num_kv_heads)))
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: Tensor  # [batch_size, hidden_size], the graph's static output
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model over one set of input buffers and KV caches.
+
+    Args:
+        model: the decoder (forward(input_ids, positions, ctx) -> [T, hidden]).
+        buffers: the persistent inputs the graphs read.
+        kv_caches: one KV cache per layer (the graphs write the step's K/V into them).
+        num_kv_heads, head_dim: attention shape (split counts and kernel defaults).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        buffers: InputBuffers,
+        kv_caches: list,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._graphs: dict[int, _Graph] = {}
+        self._sizes: list[int] = []
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Captured batch sizes, ascending."""
+        return list(self._sizes)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """Smallest captured batch size >= num_seqs, or None (run eagerly)."""
+        for size in self._sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture(self, batch_sizes: list[int]) -> float:
+        """Capture one graph per batch size, largest first, in one memory pool.
+
+        Returns:
+            Seconds the capture took.
+        """
+        from sits.kernels.attention_triton import TritonAttentionConfig, TritonPagedAttention
+
+        start = time.perf_counter()
+        pool = None
+        for size in sorted(batch_sizes, reverse=True):
+            config = TritonAttentionConfig.for_head_dim(
+                self.head_dim, decode_num_splits=decode_splits_for(size, self.num_kv_heads)
+            )
+            ctx = self._dummy_context(size, TritonPagedAttention(config))
+            views = self.buffers.view(size)
+            for _ in range(2):  # compile and settle the allocator outside the capture
+                self.model(views.input_ids, views.positions, ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(views.input_ids, views.positions, ctx)
+            pool = graph.pool()
+            self._graphs[size] = _Graph(graph, hidden)
+        torch.cuda.synchronize()
+        self._sizes = sorted(self._graphs)
+        elapsed = time.perf_counter() - start
+        logger.info("captured %d decode CUDA graphs in %.1f s", len(self._sizes), elapsed)
+        return elapsed
+
+    def replay(self, batch_size: int) -> Tensor:
+        """Run the graph of `batch_size` on the buffers' current contents.
+
+        Returns:
+            [batch_size, hidden_size] hidden states (the graph's static output: read before
+            the next replay).
+        """
+        entry = self._graphs[batch_size]
+        entry.graph.replay()
+        return entry.hidden
+
+    def _dummy_context(self, size: int, backend: object) -> ForwardContext:
+        """Inputs of `size` padding sequences (null block, no KV write, not counted)."""
+        views = self.buffers.view(size)
+        views.input_ids.zero_()
+        views.positions.zero_()
+        views.slot_mapping.fill_(-1)
+        views.token_mask.fill_(False)
+        views.seq_lens.fill_(1)
+        views.block_tables[:, 0] = 0
+        views.query_start_loc.copy_(
+            torch.arange(size + 1, dtype=torch.int32, device=views.query_start_loc.device)
+        )
+        metadata = AttentionMetadata(
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=self.buffers.block_size,
+        )
+        return ForwardContext(metadata, self.kv_caches, backend, token_mask=views.token_mask)

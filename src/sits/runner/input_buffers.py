@@ -1,0 +1,234 @@
+"""Persistent step-input buffers: a plan's tokens, positions, slots and block tables filled with
+vectorised numpy on host staging arrays and copied once per tensor to fixed device buffers.
+
+The same buffers feed eager steps and CUDA-graph replays: a graph captured over
+`buffers.view(batch_size)` reads whatever the next `prepare` wrote there, so device addresses
+never change after construction.
+
+Invariants:
+- Flat layout, no padding between sequences: tokens of the scheduled requests concatenated in
+  plan order; slot of position p = block_ids[p // block_size] * block_size + p % block_size;
+  seq_lens[i] = start_position + num_tokens of request i.
+- Padding (a decode batch padded up to a captured graph size) adds one-token sequences that
+  read the null block 0 with context length 1, write nowhere (slot -1), and are masked out of
+  the MoE statistics by `token_mask`.
+- Block-table entries past a sequence's last block are stale (left from earlier steps): every
+  reader reads only the first ceil(seq_len / block_size) entries of a row.
+- Host staging arrays are pinned on CUDA and copied with non_blocking=True; they are safe to
+  refill because every step ends with a device sync (the sampled token ids are read back)
+  before the next `prepare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from sits.core.plan import StepPlan
+from sits.layers.forward_context import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """Model inputs of one step.
+
+    Attributes:
+        input_ids: [num_tokens] int64.
+        positions: [num_tokens] int64.
+        metadata: the attention layout.
+        last_token_indices: per scheduled request, the flat index of its last token this step.
+        token_mask: [num_tokens] bool, False on padding tokens; None when there is no padding.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    metadata: AttentionMetadata
+    last_token_indices: list[int]
+    token_mask: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BufferViews:
+    """Device views of the first rows of the buffers, as a captured graph sees them.
+
+    Attributes:
+        input_ids, positions, slot_mapping: [num_tokens] int64.
+        token_mask: [num_tokens] bool, False on padding.
+        query_start_loc: [num_seqs + 1] int32.
+        seq_lens: [num_seqs] int32.
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    token_mask: Tensor
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_tables: Tensor
+
+
+class InputBuffers:
+    """Fixed host and device buffers for up to `max_num_tokens` tokens in `max_num_seqs` sequences.
+
+    Args:
+        max_num_tokens: tokens of the largest step (max_num_batched_tokens).
+        max_num_seqs: sequences of the largest step.
+        max_blocks_per_seq: block-table width, ceil(max_model_len / block_size).
+        block_size: tokens per KV block.
+        device: where the model runs.
+    """
+
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+        self._host: dict[str, Tensor] = {}
+        self._dev: dict[str, Tensor] = {}
+        shapes = {
+            "input_ids": ((max_num_tokens,), torch.int64),
+            "positions": ((max_num_tokens,), torch.int64),
+            "slot_mapping": ((max_num_tokens,), torch.int64),
+            "token_mask": ((max_num_tokens,), torch.bool),
+            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
+            "seq_lens": ((max_num_seqs,), torch.int32),
+            "block_tables": ((max_num_seqs, max_blocks_per_seq), torch.int32),
+            # Host staging of the step's [num_seqs, width] table, contiguous (one dense copy).
+            "block_tables_stage": ((max_num_seqs * max_blocks_per_seq,), torch.int32),
+        }
+        for name, (shape, dtype) in shapes.items():
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            self._host[name] = host
+            if not name.endswith("_stage"):
+                on_cpu = device.type == "cpu"
+                self._dev[name] = host if on_cpu else torch.zeros_like(host, device=device)
+        self._np = {name: t.numpy() for name, t in self._host.items()}
+
+    def view(self, num_seqs: int, num_tokens: int | None = None) -> BufferViews:
+        """Device views of the first `num_tokens` tokens (default num_seqs) and `num_seqs` rows."""
+        n = num_seqs if num_tokens is None else num_tokens
+        d = self._dev
+        return BufferViews(
+            input_ids=d["input_ids"][:n],
+            positions=d["positions"][:n],
+            slot_mapping=d["slot_mapping"][:n],
+            token_mask=d["token_mask"][:n],
+            query_start_loc=d["query_start_loc"][: num_seqs + 1],
+            seq_lens=d["seq_lens"][:num_seqs],
+            block_tables=d["block_tables"][:num_seqs],
+        )
+
+    def prepare(self, plan: StepPlan, pad_to_seqs: int | None = None) -> StepInputs:
+        """Fill the buffers from a plan and copy them to the device.
+
+        Args:
+            plan: the scheduled requests (non-empty).
+            pad_to_seqs: for a pure decode step replayed by a graph of this batch size, pad
+                with one-token null sequences up to it (>= the plan's sequences); None = no
+                padding.
+
+        Returns:
+            StepInputs whose tensors are views of the device buffers (valid until the next
+            `prepare`); last_token_indices and the metadata's CPU fields cover the real
+            sequences only, the device tensors cover the padding too.
+        """
+        scheduled = plan.scheduled
+        num_seqs = len(scheduled)
+        counts = np.fromiter((sr.num_tokens for sr in scheduled), np.int64, num_seqs)
+        starts = np.fromiter((sr.start_position for sr in scheduled), np.int64, num_seqs)
+        num_blocks = np.fromiter((len(sr.block_ids) for sr in scheduled), np.int64, num_seqs)
+        num_tokens = int(counts.sum())
+        assert num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs
+        assert int(num_blocks.max()) <= self.max_blocks_per_seq, "block table too wide"
+        padded_seqs = num_seqs if pad_to_seqs is None else pad_to_seqs
+        padded_tokens = num_tokens + (padded_seqs - num_seqs)
+        assert padded_seqs >= num_seqs and padded_tokens <= self.max_num_tokens
+
+        h = self._np
+        # Block tables: scatter the concatenated block ids into rows.
+        flat_blocks = np.fromiter(
+            chain.from_iterable(sr.block_ids for sr in scheduled), np.int32, int(num_blocks.sum())
+        )
+        rows = np.repeat(np.arange(num_seqs), num_blocks)
+        row_starts = np.cumsum(num_blocks) - num_blocks  # [num_seqs]
+        cols = np.arange(flat_blocks.size) - np.repeat(row_starts, num_blocks)
+        width = int(num_blocks.max())
+        tables = h["block_tables_stage"][: padded_seqs * width].reshape(padded_seqs, width)
+        tables[rows, cols] = flat_blocks
+        tables[num_seqs:padded_seqs, 0] = 0  # padding reads the null block
+        # Tokens, positions and slots.
+        offsets = np.cumsum(counts) - counts  # [num_seqs] first flat index of each sequence
+        token_seq = np.repeat(np.arange(num_seqs), counts)  # [num_tokens]
+        positions = np.repeat(starts - offsets, counts) + np.arange(num_tokens)
+        h["input_ids"][:num_tokens] = np.fromiter(
+            chain.from_iterable(sr.token_ids for sr in scheduled), np.int64, num_tokens
+        )
+        h["positions"][:num_tokens] = positions
+        bs = self.block_size
+        h["slot_mapping"][:num_tokens] = (
+            tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
+        )
+        h["token_mask"][:num_tokens] = True
+        pad = slice(num_tokens, padded_tokens)
+        h["input_ids"][pad] = 0
+        h["positions"][pad] = 0
+        h["slot_mapping"][pad] = -1
+        h["token_mask"][pad] = False
+        seq_lens = starts + counts
+        h["seq_lens"][:num_seqs] = seq_lens
+        h["seq_lens"][num_seqs:padded_seqs] = 1
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1 : num_seqs + 1])
+        qsl[num_seqs + 1 : padded_seqs + 1] = num_tokens + np.arange(1, padded_seqs - num_seqs + 1)
+
+        self._copy(padded_tokens, padded_seqs, width)
+        views = self.view(padded_seqs, padded_tokens)
+        qsl_cpu = qsl[: num_seqs + 1].tolist()
+        seq_lens_cpu = seq_lens.tolist()
+        metadata = AttentionMetadata(
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+        )
+        return StepInputs(
+            input_ids=views.input_ids,
+            positions=views.positions,
+            metadata=metadata,
+            last_token_indices=[end - 1 for end in qsl_cpu[1:]],
+            token_mask=None if padded_tokens == num_tokens else views.token_mask,
+        )
+
+    def _copy(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        """Host staging -> device for the filled region (only the block table on CPU)."""
+        stage = self._host["block_tables_stage"][: num_seqs * width].view(num_seqs, width)
+        if self.device.type == "cpu":
+            self._dev["block_tables"][:num_seqs, :width].copy_(stage)
+            return
+        for name in ("input_ids", "positions", "slot_mapping", "token_mask"):
+            self._dev[name][:num_tokens].copy_(self._host[name][:num_tokens], non_blocking=True)
+        self._dev["query_start_loc"][: num_seqs + 1].copy_(
+            self._host["query_start_loc"][: num_seqs + 1], non_blocking=True
+        )
+        self._dev["seq_lens"][:num_seqs].copy_(self._host["seq_lens"][:num_seqs], non_blocking=True)
+        self._dev["block_tables"][:num_seqs, :width].copy_(stage, non_blocking=True)
