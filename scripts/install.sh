@@ -18,3 +18,14 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -q -e ".[dev]"
+# Headless Chromium and its driver (Debian's packages) for the dashboard's browser test
+# (tests/server/test_dashboard.py); where apt-get is missing or we are not root, or the install
+# fails, that one test is skipped.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
+  && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  if ! { timeout 300 apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq \
+      --no-install-recommends chromium chromium-driver; } >/dev/null 2>&1; then
+    echo "warning: could not install chromium; the dashboard browser test will be skipped" >&2
+  fi
+fi

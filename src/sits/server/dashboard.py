@@ -1,0 +1,296 @@
+"""The live dashboard: `GET /dashboard` (one static HTML page) and `GET /dashboard/data` (JSON).
+
+The page (`sits/server/static/dashboard.html`: inline JS and CSS, no build step, no CDN; charts
+drawn on canvas and SVG) polls `/dashboard/data` and shows throughput, latency percentiles,
+queue, KV use per tier, overload and breaker state, per-tenant SLO attainment and cost, a
+heatmap of MoE expert load per layer and a timeline (queue, prefill chunks, decode) of the
+latest requests.
+
+`/dashboard/data` is one JSON object built by `dashboard_data`:
+- counters (requests by finish reason, tokens, preemptions, prefix cache) are read from the
+  server's Prometheus registry, so the page shows exactly what `/metrics` exports;
+- latency percentiles (nearest rank) and the request timelines come from the ring of the
+  latest ended requests (`ServerMetrics.timelines`), with prefill chunks from the engine's
+  chunk ring (`AsyncLLM.prefill_chunks`, matched by engine request id); times are seconds
+  relative to the request's arrival (`*_s`) or ages before `time_s`;
+- experts: the engine's last expert snapshot (`EngineStats.experts`), null for a dense model.
+Access: open like `/metrics`; with an admin key (`--admin-key`) the data needs it
+(`Authorization: Bearer KEY`; the page asks for it), since it names recent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from prometheus_client import CollectorRegistry
+
+from sits.server.auth import keys_match, presented_key
+from sits.server.cost_metrics import SECONDS_PER_HOUR, cost_per_million_tokens
+from sits.server.errors import ServerError
+from sits.server.timeline import RequestTimeline, percentiles
+
+if TYPE_CHECKING:
+    from sits.server.context import ServerContext
+
+logger = logging.getLogger(__name__)
+
+DATA_PATH = "/dashboard/data"
+MAX_TIMELINES_SHOWN = 40
+_CHUNKS_TIMEOUT_S = 2.0
+_SLO_KINDS = ("ttft", "tpot")
+_LabelKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+def dashboard_html() -> str:
+    """The page's HTML (package data `sits/server/static/dashboard.html`)."""
+    return (resources.files("sits.server") / "static" / "dashboard.html").read_text("utf-8")
+
+
+class MetricSamples:
+    """Every sample of a registry at one instant, looked up by name and labels (`model_name`
+    ignored: one server serves one model)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._values: dict[_LabelKey, float] = {}
+        self._by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in registry.collect():
+            for sample in family.samples:
+                labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+                self._values[(sample.name, frozenset(labels.items()))] = sample.value
+                self._by_name.setdefault(sample.name, []).append((labels, sample.value))
+
+    def get(self, name: str, **labels: str) -> float:
+        """The sample's value, 0.0 when it is not exported."""
+        return self._values.get((name, frozenset(labels.items())), 0.0)
+
+    def by_label(self, name: str, label: str, **where: str) -> dict[str, float]:
+        """label value -> value of the samples of `name` whose other labels match `where`."""
+        out: dict[str, float] = {}
+        for labels, value in self._by_name.get(name, ()):
+            if label in labels and all(labels.get(k) == v for k, v in where.items()):
+                out[labels[label]] = out.get(labels[label], 0.0) + value
+        return out
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _latency(timelines: Sequence[RequestTimeline]) -> dict[str, Any]:
+    """p50/p90/p99 of TTFT, TPOT, E2E and queue time (seconds) over `timelines`."""
+    done = [t for t in timelines if t.finish_reason != "abort"]
+    return {
+        "num_requests": len(done),
+        "ttft_s": percentiles(t.ttft_s for t in done if t.ttft_s is not None),
+        "tpot_s": percentiles(t.tpot_s for t in done if t.tpot_s is not None),
+        "e2e_s": percentiles(t.e2e_s for t in done),
+        "queue_s": percentiles(t.queue_s for t in done if t.queue_s is not None),
+    }
+
+
+def _offset(t: float | None, origin: float) -> float | None:
+    return None if t is None else t - origin
+
+
+def _timeline_json(
+    timeline: RequestTimeline, chunks: Sequence[Any], now_s: float
+) -> dict[str, Any]:
+    """One request's bars, in seconds after its arrival."""
+    origin = timeline.arrival_s
+    return {
+        "request_id": timeline.request_id,
+        "tenant": timeline.tenant_id,
+        "age_s": now_s - origin,
+        "queue_end_s": _offset(timeline.first_scheduled_s, origin),
+        "first_token_s": _offset(timeline.first_token_s, origin),
+        "last_token_s": _offset(timeline.last_token_s, origin),
+        "finished_s": timeline.finished_s - origin,
+        "prefill_chunks": [
+            {
+                "start_s": c.start_s - origin,
+                "end_s": c.end_s - origin,
+                "start_position": c.start_position,
+                "num_tokens": c.num_tokens,
+            }
+            for c in chunks
+        ],
+        "num_prompt_tokens": timeline.num_prompt_tokens,
+        "num_cached_tokens": timeline.num_cached_tokens,
+        "num_output_tokens": timeline.num_output_tokens,
+        "num_samples": timeline.num_samples,
+        "finish_reason": timeline.finish_reason,
+    }
+
+
+def _chunks_by_request(
+    timelines: Iterable[RequestTimeline], chunks: Iterable[Any]
+) -> dict[str, list[Any]]:
+    """Parent request id -> its prefill chunks (its samples run as `id` or `id-i`)."""
+    parent_of: dict[str, str] = {}
+    for t in timelines:
+        if t.num_samples == 1:
+            parent_of[t.request_id] = t.request_id
+        else:
+            for i in range(t.num_samples):
+                parent_of[f"{t.request_id}-{i}"] = t.request_id
+    out: dict[str, list[Any]] = {}
+    for chunk in chunks:
+        parent = parent_of.get(chunk.request_id)
+        if parent is not None:
+            out.setdefault(parent, []).append(chunk)
+    return out
+
+
+def _tenants_json(ctx: ServerContext, samples: MetricSamples) -> list[dict[str, Any]]:
+    price = ctx.settings.gpu_price_per_hour
+    _, gpu_s = ctx.cost.tenant_gpu_seconds()
+    out = []
+    for tenant in ctx.qos.tenants:
+        tid = tenant.id
+        prompt = samples.get("sits:tenant_prompt_tokens_total", tenant=tid)
+        generated = samples.get("sits:tenant_generation_tokens_total", tenant=tid)
+        slo = {}
+        for kind in _SLO_KINDS:
+            total = samples.get("sits:tenant_slo_requests_total", tenant=tid, slo=kind)
+            met = samples.get("sits:tenant_slo_met_total", tenant=tid, slo=kind)
+            slo[kind] = {
+                "target_ms": tenant.ttft_ms if kind == "ttft" else tenant.tpot_ms,
+                "num_requests": total,
+                "num_met": met,
+                "attainment": met / total if total else None,
+            }
+        seconds = gpu_s.get(tid, 0.0)
+        out.append(
+            {
+                "id": tid,
+                "tier": tenant.tier.value,
+                "requests": samples.by_label("sits:tenant_requests_total", "outcome", tenant=tid),
+                "prompt_tokens": prompt,
+                "generation_tokens": generated,
+                "num_running": samples.get("sits:tenant_num_requests_running", tenant=tid),
+                "num_waiting": samples.get("sits:tenant_num_requests_waiting", tenant=tid),
+                "in_flight": samples.get("sits:tenant_requests_in_flight", tenant=tid),
+                "kv_blocks_used": samples.get("sits:tenant_kv_blocks_used", tenant=tid),
+                "slo": slo,
+                "gpu_s": seconds,
+                "cost": seconds / SECONDS_PER_HOUR * price if price > 0 else None,
+                "cost_per_million_tokens": (
+                    cost_per_million_tokens(seconds, prompt + generated, price)
+                    if price > 0
+                    else None
+                ),
+            }
+        )
+    return out
+
+
+def dashboard_data(
+    ctx: ServerContext, chunks: Sequence[Any] = (), now_s: float | None = None
+) -> dict[str, Any]:
+    """The `/dashboard/data` body (see the module docstring).
+
+    Args:
+        ctx: the server's context.
+        chunks: the engine's latest prefill chunks (`sits.engine.core.PrefillChunk`s).
+        now_s: time.monotonic() now (ages are relative to it).
+    """
+    now_s = time.monotonic() if now_s is None else now_s
+    samples = MetricSamples(ctx.metrics.registry)
+    timelines = ctx.metrics.timelines.recent()
+    shown = timelines[-MAX_TIMELINES_SHOWN:][::-1]  # newest first
+    chunk_map = _chunks_by_request(shown, chunks)
+    try:
+        stats = ctx.engine.stats()
+    except Exception:  # noqa: BLE001 - a dead engine: show the rest
+        stats = None
+    experts = getattr(stats, "experts", None)
+    signals, rate = ctx.overload_watcher.snapshot()
+    breaker = ctx.qos.breaker
+    kv_used = samples.by_label("sits:kv_tier_blocks_used", "tier")
+    kv_total = samples.by_label("sits:kv_tier_blocks_total", "tier")
+    return {
+        "model_name": ctx.model_name,
+        "time_s": now_s,
+        "healthy": ctx.lifecycle.healthy(),
+        "totals": {
+            "requests": samples.by_label("sits:request_success_total", "finished_reason"),
+            "prompt_tokens": samples.get("sits:prompt_tokens_total"),
+            "generation_tokens": samples.get("sits:generation_tokens_total"),
+            "num_preemptions": samples.get("sits:num_preemptions_total"),
+            "prefix_cache_queries": samples.get("sits:prefix_cache_queries_total"),
+            "prefix_cache_hits": samples.get("sits:prefix_cache_hits_total"),
+            "gpu_s": samples.get("sits:gpu_seconds_total"),
+        },
+        "queue": {
+            "num_running": samples.get("sits:num_requests_running"),
+            "num_waiting": samples.get("sits:num_requests_waiting"),
+            "queue_delay_s": signals.queue_delay_s if signals is not None else 0.0,
+        },
+        "kv": [
+            {"tier": tier, "used_blocks": kv_used.get(tier, 0.0), "total_blocks": total}
+            for tier, total in kv_total.items()
+        ],
+        "overload": {
+            "state": ctx.qos.overload_state.value,
+            "predicted_ttft_s": signals.predicted_ttft_s if signals is not None else 0.0,
+            "prefill_tokens_per_s": _finite(rate),
+            "breaker": breaker.state.value,
+            "breaker_opened": breaker.num_opened,
+        },
+        "latency": _latency(timelines),
+        "tenants": _tenants_json(ctx, samples),
+        "gpu_price_per_hour": ctx.settings.gpu_price_per_hour,
+        "experts": experts.to_json() if experts is not None else None,
+        "requests": [_timeline_json(t, chunk_map.get(t.request_id, ()), now_s) for t in shown],
+    }
+
+
+async def _engine_chunks(engine: Any) -> list[Any]:
+    """The engine's prefill chunk ring ([] for an engine without one, or a dead one)."""
+    method = getattr(engine, "prefill_chunks", None)
+    if method is None:
+        return []
+    try:
+        return list(await asyncio.wait_for(method(), _CHUNKS_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - the timelines still show queue and decode
+        logger.debug("no prefill chunks from the engine", exc_info=True)
+        return []
+
+
+def _check_access(request: Request, admin_key: str | None) -> None:
+    """Open without an admin key; with one, 401 without a key and 403 for a wrong one."""
+    if not admin_key:
+        return
+    presented = presented_key(request)
+    if not presented:
+        raise ServerError(
+            401, "Missing admin key: pass it as 'Authorization: Bearer KEY'.", code="no_api_key"
+        )
+    if not keys_match(admin_key, presented):
+        raise ServerError(403, "Incorrect admin key provided.", code="forbidden")
+
+
+dashboard_router = APIRouter()
+
+
+@dashboard_router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard_page() -> HTMLResponse:
+    """The dashboard page (static; it polls /dashboard/data)."""
+    return HTMLResponse(dashboard_html(), headers={"Cache-Control": "no-cache"})
+
+
+@dashboard_router.get(DATA_PATH)
+async def dashboard_json(request: Request) -> JSONResponse:
+    """The dashboard's data (see `dashboard_data`)."""
+    ctx: ServerContext = request.app.state.ctx
+    _check_access(request, ctx.settings.admin_key)
+    chunks = await _engine_chunks(ctx.engine)
+    return JSONResponse(dashboard_data(ctx, chunks), headers={"Cache-Control": "no-store"})
