@@ -10,6 +10,14 @@ Invariants:
 - Load and health (`layers.moe_stats.ExpertState`, created lazily on the weights' device): every
   forward masks frozen experts' router logits with -inf before top-k, adds the routed tokens
   per expert and folds in the backend's per-expert non-finite flags, all on the device.
+- On CUDA with Triton installed the routing and the bookkeeping are two Triton kernels
+  (`kernels.moe_routing_triton.fused_route` before the experts,
+  `kernels.moe_health_triton.fused_health_update` after them; imported only on that path) and
+  `MoeBackend.select_experts` is not called; elsewhere the PyTorch path of `ExpertState` runs
+  with `MoeBackend.select_experts`. Both give the same routing, counts and health updates,
+  except for equal logits (torch.topk orders them arbitrarily, the kernel lowest id first) and
+  non-finite rows (never checked on either path; torch.topk routes them to arbitrary experts,
+  the kernel to the lowest-id unfrozen ones), which only move those rows' token counts.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from sits.kernels.moe_ref import TorchMoe
+from sits.kernels.triton_utils import has_triton
 from sits.layers.moe_stats import ExpertState
 
 
@@ -75,6 +84,8 @@ class SparseMoeBlock(nn.Module):
         w13: [num_experts, 2 * intermediate_size, hidden_size] parameter.
         w2: [num_experts, hidden_size, intermediate_size] parameter.
         moe_backend: where routing and experts run.
+        fused_routing: use the Triton routing and health kernels when the input is on CUDA and
+            Triton is installed (True by default; tests set False to run the PyTorch path).
     """
 
     def __init__(
@@ -88,6 +99,8 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         self.moe_backend: MoeBackend = moe_backend if moe_backend is not None else TorchMoe()
         self._expert_state: ExpertState | None = None
+        self.fused_routing = True
+        self._kernels_fit: bool | None = None  # looked up once, at the first CUDA forward
 
     def expert_state(self) -> ExpertState:
         """The layer's expert counters and frozen mask (made on the weights' device at first
@@ -103,7 +116,14 @@ class SparseMoeBlock(nn.Module):
         captured CUDA graph keeps reading and writing the same tensors."""
         state = self.expert_state()
         with torch.inference_mode():
-            for tensor in (state.num_tokens, state.num_anomalous, state.streak, state.frozen):
+            for tensor in (
+                state.num_tokens,
+                state.num_anomalous,
+                state.streak,
+                state.frozen,
+                state.checked,
+                state.anomalous,
+            ):
                 tensor.zero_()
 
     def forward(self, hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
@@ -114,19 +134,64 @@ class SparseMoeBlock(nn.Module):
         ([num_tokens] bool, None = all) leaves padding tokens out of the counts and checks.
         """
         state = self.expert_state()
-        router_logits = state.mask_logits(self.gate(hidden))  # [num_tokens, num_experts]
+        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
+        if self._use_fused_kernels(hidden):
+            return self._forward_fused(hidden, router_logits, state, token_mask)
         topk_weights, topk_ids = self.moe_backend.select_experts(
-            router_logits, self.config.top_k, self.config.renormalize
+            state.mask_logits(router_logits), self.config.top_k, self.config.renormalize
         )  # [num_tokens, top_k] each
         state.count(topk_ids, token_mask)
-        nonfinite = torch.zeros(self.config.num_experts, dtype=torch.bool, device=hidden.device)
+        state.mark_checked(topk_ids, state.finite_rows(router_logits, token_mask))
         out = self.moe_backend.experts(
-            hidden, self.w13, self.w2, topk_weights, topk_ids, nonfinite
+            hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
         )  # [num_tokens, hidden_size]
-        finite_rows = torch.isfinite(hidden).all(dim=-1)  # [num_tokens]
-        if token_mask is not None:
-            finite_rows = finite_rows & token_mask
-        state.check(topk_ids, finite_rows, nonfinite)
+        state.update_health()
+        return out
+
+    def _use_fused_kernels(self, hidden: Tensor) -> bool:
+        """True when routing and health run as Triton kernels: CUDA input, Triton installed
+        and the layer within the kernels' limits (E <= 256, top_k <= 16)."""
+        if not self.fused_routing or hidden.device.type != "cuda":
+            return False
+        if self._kernels_fit is None:
+            self._kernels_fit = has_triton()
+            if self._kernels_fit:
+                from sits.kernels.moe_routing_triton import MAX_EXPERTS, MAX_TOP_K
+
+                config = self.config
+                self._kernels_fit = config.num_experts <= MAX_EXPERTS and config.top_k <= MAX_TOP_K
+        return self._kernels_fit
+
+    def _forward_fused(
+        self, hidden: Tensor, router_logits: Tensor, state: ExpertState, token_mask: Tensor | None
+    ) -> Tensor:
+        """The CUDA path: `fused_route`, the experts, `fused_health_update` (two launches
+        besides the gate GEMM and the experts' own; no host synchronisation)."""
+        from sits.kernels.moe_health_triton import fused_health_update
+        from sits.kernels.moe_routing_triton import fused_route
+
+        top_k = self.config.top_k
+        topk_weights, topk_ids = fused_route(
+            router_logits,
+            state.frozen,
+            top_k,
+            self.config.renormalize,
+            state.num_tokens,
+            state.checked,
+            token_mask,
+        )  # [num_tokens, top_k] each
+        out = self.moe_backend.experts(
+            hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
+        )  # [num_tokens, hidden_size]
+        fused_health_update(
+            state.checked,
+            state.anomalous,
+            state.num_anomalous,
+            state.streak,
+            state.frozen,
+            top_k,
+            state.freeze_after,
+        )
         return out
 
     def extra_repr(self) -> str:

@@ -1,0 +1,212 @@
+"""Triton kernel: one MoE layer's routing and expert bookkeeping in a single launch.
+
+`fused_route` does, for a block of tokens per program, what the PyTorch path of
+`layers.moe.SparseMoeBlock` does in about ten kernels: mask the frozen experts' router logits
+with -inf (`ExpertState.mask_logits`), softmax over all experts in float32, top-k and optional
+renormalisation (`moe_ref.select_experts`), add the routed tokens of real (unpadded) tokens to
+the per-expert counters (`ExpertState.count`) and mark the experts that received a real token
+with a finite logits row (`ExpertState.mark_checked`).
+
+Invariants:
+- Order of the k experts: descending probability; equal probabilities (equal masked logits)
+  go lowest expert id first. torch.topk leaves the order of equal values unspecified (its CPU
+  selection returns ties in no fixed order), so the two agree exactly whenever the k + 1
+  largest masked logits of a row are distinct, which is how they are compared in the tests
+  (bfloat16 logits tie often: there the kernel's order is still deterministic).
+  The kernel ranks by the masked logit itself (softmax is monotone), so two logits whose
+  probabilities round to the same float32 keep their logit order: one valid torch answer.
+- A row whose softmax is NaN in torch (a NaN or +inf logit among the unfrozen experts, or all
+  of them -inf) gets NaN weights, as in torch, and is routed to its lowest-id unfrozen experts
+  (torch picks arbitrary NaN entries, frozen ones included): frozen experts never receive a
+  token as long as at least top_k experts are unfrozen (`ExpertState` guarantees it).
+- Finite-input test: an expert is checked when it receives a real token whose logits row is
+  finite over the unfrozen experts. A hidden row holding a NaN or an infinity makes every
+  logit of its row non-finite (x_i * w_i is NaN or infinite for w_i != 0 or x_i = NaN, and
+  NaN for inf * 0), so this equals `isfinite(hidden).all(-1)` for finite router weights
+  whose logits do not overflow, without reading the hidden row; a frozen expert's (possibly
+  corrupt) gate row is ignored.
+- Counters are added with relaxed atomics, one per (program, expert that got tokens), so
+  programs may run in any order; no host synchronisation, no allocation sized by device
+  values: a call can be captured in a CUDA graph.
+
+Algorithm: softmax top-k routing of sparsely-gated MoE (Shazeer et al. 2017) with the Mixtral
+renormalisation (Jiang et al. 2024). Top-k is k rounds of an argmax over an order-preserving
+int32 image of the float32 logits (positive floats keep their bits, negative floats flip their
+magnitude bits), ties to the lowest index.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sits.kernels.triton_utils import cdiv, next_power_of_2
+
+MAX_EXPERTS = 256  # widest router row one program holds
+MAX_TOP_K = 16
+# int32 keys below every logit's key (-inf maps to -2139095041), as constexprs for the kernel:
+KEY_TAKEN = tl.constexpr(-2147483647)  # padding columns and experts already chosen
+KEY_FROZEN = tl.constexpr(-2147483646)  # frozen experts: after every other expert
+
+
+@triton.jit
+def _float_key(x):
+    """float32 x -> int32 with the same order (-0.0 just below +0.0); NaN never reaches it."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_float(key):
+    """Inverse of `_float_key` (the map is an involution on the bits)."""
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def fused_route_kernel(
+    logits_ptr,
+    frozen_ptr,
+    mask_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens_ptr,
+    checked_ptr,
+    num_tokens,
+    num_experts,
+    stride_logits_token,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program p routes tokens [p * BLOCK_T, (p + 1) * BLOCK_T) (see `fused_route`)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    row_in = rows < num_tokens
+    col_in = cols < num_experts
+    frozen = tl.load(frozen_ptr + cols, mask=col_in, other=0) != 0  # [BLOCK_E]
+    tile_in = row_in[:, None] & col_in[None, :]  # [BLOCK_T, BLOCK_E]
+    offsets = rows.to(tl.int64)[:, None] * stride_logits_token + cols[None, :]
+    x = tl.load(logits_ptr + offsets, mask=tile_in, other=0.0).to(tl.float32)
+    x = tl.where(col_in[None, :], x, float("-inf"))
+    # Finite-input test over the unfrozen experts (NaN fails `< inf`).
+    open_col = col_in & ~frozen  # [BLOCK_E]
+    bad = open_col[None, :] & ~(tl.abs(x) < float("inf"))  # [BLOCK_T, BLOCK_E]
+    row_finite = tl.max(bad.to(tl.int32), axis=1) == 0  # [BLOCK_T]
+    # float32 softmax denominator of the masked row; NaN exactly where torch's softmax is.
+    x = tl.where(frozen[None, :], float("-inf"), x)
+    row_max = tl.max(x, axis=1)  # [BLOCK_T]
+    exps = tl.where(col_in[None, :], tl.exp(x - row_max[:, None]), 0.0)
+    denom = tl.sum(exps, axis=1)  # [BLOCK_T]
+    row_nan = denom != denom  # [BLOCK_T]
+    key = tl.where(row_nan[:, None], 0, _float_key(x))  # [BLOCK_T, BLOCK_E] int32
+    key = tl.where(frozen[None, :], KEY_FROZEN, key)
+    key = tl.where(col_in[None, :], key, KEY_TAKEN)
+    k_cols = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    routed = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)  # 1 where the token chose the expert
+    for choice in tl.static_range(TOP_K):
+        best, best_id = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        weight = tl.exp(_key_float(best) - row_max) / denom  # [BLOCK_T]; NaN on NaN rows
+        weights = tl.where(k_cols == choice, weight[:, None], weights)
+        ids = tl.where(k_cols == choice, best_id[:, None], ids)
+        chosen = cols[None, :] == best_id[:, None]  # [BLOCK_T, BLOCK_E]
+        routed = tl.where(chosen, 1, routed)
+        key = tl.where(chosen, KEY_TAKEN, key)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out_offsets = rows.to(tl.int64)[:, None] * TOP_K + k_cols  # [BLOCK_T, BLOCK_K]
+    out_mask = row_in[:, None] & (k_cols < TOP_K)
+    tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
+    tl.store(ids_ptr + out_offsets, ids.to(tl.int64), mask=out_mask)
+    real = row_in
+    if HAS_MASK:
+        real = real & (tl.load(mask_ptr + rows, mask=row_in, other=0) != 0)
+    counts = tl.sum(tl.where(real[:, None], routed, 0), axis=0)  # [BLOCK_E]
+    tl.atomic_add(
+        num_tokens_ptr + cols, counts.to(tl.int64), mask=col_in & (counts > 0), sem="relaxed"
+    )
+    checks = tl.max(tl.where((real & row_finite)[:, None], routed, 0), axis=0)  # [BLOCK_E]
+    one = tl.full([BLOCK_E], 1, checked_ptr.dtype.element_ty)
+    tl.store(checked_ptr + cols, one, mask=col_in & (checks > 0))
+
+
+def default_block_tokens(num_tokens: int) -> int:
+    """Tokens per program: one for decode-sized batches (most programs in flight, no wasted
+    rows), eight beyond 512 tokens (fewer atomics on the counters)."""
+    return 1 if num_tokens <= 512 else 8
+
+
+def _as_bytes(flags: Tensor) -> Tensor:
+    """A bool tensor as uint8 (the kernel reads and writes bytes); other dtypes unchanged."""
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
+
+
+def fused_route(
+    router_logits: Tensor,
+    frozen: Tensor,
+    top_k: int,
+    renormalize: bool,
+    num_tokens_acc: Tensor,
+    checked: Tensor,
+    token_mask: Tensor | None = None,
+    block_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Route a step's tokens and update the expert counters, in one launch.
+
+    Equals `ExpertState.mask_logits` -> `moe_ref.select_experts` -> `ExpertState.count` ->
+    `ExpertState.mark_checked` (see the module docstring for the order of equal values and
+    for non-finite rows).
+
+    Args:
+        router_logits: [num_tokens, num_experts] float32, float16 or bfloat16 (read as
+            float32), last dimension contiguous; num_experts <= 256.
+        frozen: [num_experts] bool, experts masked out of the routing.
+        top_k: experts per token, 1 <= top_k <= min(16, num_experts).
+        renormalize: divide the k weights by their sum.
+        num_tokens_acc: [num_experts] int64, += routed (token, expert) pairs of real tokens.
+        checked: [num_experts] bool or int32, set to 1 (never cleared) for every expert that
+            received a real token whose logits row is finite over the unfrozen experts.
+        token_mask: [num_tokens] bool, False on padding tokens (not counted, not checked);
+            None = every token is real.
+        block_tokens: tokens per program (a power of two); None = `default_block_tokens`.
+
+    Returns:
+        (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64), the
+        experts in descending weight order.
+    """
+    num_tokens, num_experts = router_logits.shape
+    assert 1 <= top_k <= min(MAX_TOP_K, num_experts), f"top_k {top_k} out of range"
+    assert num_experts <= MAX_EXPERTS, f"{num_experts} experts > {MAX_EXPERTS}"
+    assert router_logits.stride(1) == 1 or num_experts == 1, "logits rows must be contiguous"
+    assert frozen.shape == (num_experts,) and frozen.is_contiguous()
+    assert num_tokens_acc.shape == (num_experts,) and num_tokens_acc.dtype == torch.int64
+    assert checked.shape == (num_experts,) and checked.is_contiguous()
+    device = router_logits.device
+    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return topk_weights, topk_ids
+    if token_mask is not None:
+        assert token_mask.shape == (num_tokens,) and token_mask.dtype == torch.bool
+    block_t = block_tokens if block_tokens is not None else default_block_tokens(num_tokens)
+    block_e = next_power_of_2(num_experts)
+    mask = _as_bytes(token_mask) if token_mask is not None else frozen  # unread when None
+    fused_route_kernel[(cdiv(num_tokens, block_t),)](
+        router_logits, _as_bytes(frozen), mask, topk_weights, topk_ids, num_tokens_acc,
+        _as_bytes(checked), num_tokens, num_experts, router_logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        HAS_MASK=token_mask is not None,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=next_power_of_2(top_k),
+        num_warps=max(1, min(4, block_t * block_e // 256)),
+    )  # fmt: skip
+    return topk_weights, topk_ids
