@@ -3,7 +3,8 @@ attention through the step's backend, output projection.
 
 Invariants: the module holds no KV state; it reads and writes `ctx.kv_caches[layer_idx]` through
 `ctx.attn_backend`, which writes the step's K/V before attending. q/k norms (Qwen3) are applied
-per head before RoPE, as in Hugging Face Qwen3.
+per head before RoPE, as in Hugging Face Qwen3; on CUDA with Triton both run in one kernel
+(`RotaryEmbedding.forward` with `qk_norm`), in place on the q/k views of the QKV output.
 """
 
 from __future__ import annotations
@@ -54,7 +55,17 @@ class Attention(nn.Module):
         scale: softmax scale, head_dim ** -0.5.
     """
 
-    def __init__(self, config: AttentionConfig, layer_idx: int) -> None:
+    def __init__(
+        self, config: AttentionConfig, layer_idx: int, rotary_emb: RotaryEmbedding | None = None
+    ) -> None:
+        """Build the projections, q/k norms and RoPE of one layer.
+
+        Args:
+            config: the block's shape and options.
+            layer_idx: index of this layer's KV cache in `ctx.kv_caches`.
+            rotary_emb: a RotaryEmbedding of `config.rope` shared by all layers (one cos/sin
+                cache per model); None = this layer builds its own.
+        """
         super().__init__()
         assert config.num_heads % config.num_kv_heads == 0, "heads must group evenly"
         self.layer_idx = layer_idx
@@ -71,7 +82,10 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config.rope)
+        if rotary_emb is None:
+            rotary_emb = RotaryEmbedding(config.rope)
+        assert rotary_emb.rope == config.rope, "a shared RotaryEmbedding must match the config"
+        self.rotary_emb = rotary_emb
 
     def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         """Attend over the step's tokens and the sequences' cached tokens.
@@ -86,10 +100,11 @@ class Attention(nn.Module):
         """
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)  # [T, H, D], [T, K, D], [T, K, D]
+        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.normalize(q)
-            k = self.k_norm.normalize(k)
-        q, k = self.rotary_emb(positions, q, k)
+            qk_norm = (self.q_norm, self.k_norm)
+        # q and k are views of this step's fresh QKV output: the Triton path rotates in place.
+        q, k = self.rotary_emb(positions, q, k, qk_norm=qk_norm, in_place=True)
         out = ctx.attn_backend.forward(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.scale
         )  # [num_tokens, num_heads, head_dim]

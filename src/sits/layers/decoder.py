@@ -23,6 +23,7 @@ from sits.layers.forward_context import ForwardContext
 from sits.layers.mlp import GatedMLP
 from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
 from sits.layers.norm import RMSNorm
+from sits.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +97,16 @@ class DecoderLayer(nn.Module):
     """input_layernorm -> self_attn -> post_attention_layernorm -> mlp, residual around each."""
 
     def __init__(
-        self, config: DecoderConfig, layer_idx: int, moe_backend: MoeBackend | None = None
+        self,
+        config: DecoderConfig,
+        layer_idx: int,
+        moe_backend: MoeBackend | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         self.input_layernorm = RMSNorm(hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config.attention, layer_idx)
+        self.self_attn = Attention(config.attention, layer_idx, rotary_emb)
         self.post_attention_layernorm = RMSNorm(hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module
         if config.moe is not None and layer_idx in config.moe_layer_ids:
@@ -139,8 +144,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig, moe_backend: MoeBackend | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.attention.rope)  # one cos/sin cache for all layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer_idx, moe_backend) for layer_idx in range(config.num_layers)
+            DecoderLayer(config, layer_idx, moe_backend, rotary_emb)
+            for layer_idx in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -10,6 +10,13 @@ Invariants:
 - The rotation is "rotate half": dims [0, D/2) pair with [D/2, D).
 - inv_freq is a plain float32 attribute, not a buffer: `module.to(dtype)` never rounds it,
   and a model built on the meta device still gets real frequencies.
+- On CUDA with Triton installed, `forward` (and `Attention`'s fused q/k norm + RoPE) runs one
+  Triton kernel (`sits.kernels.rotary_triton`, imported only then) that reads cos/sin from a
+  per-position cache: [max_position_embeddings, D/2] per (device, dtype), built once by
+  `cos_sin_cache` with the same torch code as `cos_sin` (so every rope type and
+  attention_scaling is handled here), lazily at the first forward on a device, which the
+  runner's eager warm-up does before any CUDA graph capture. Elsewhere (the CPU, no Triton,
+  no known max_position_embeddings) the torch code below computes cos/sin from the positions.
 
 Algorithms: RoPE (Su et al. 2021, "RoFormer"); linear position interpolation (Chen et al.
 2023); Llama 3.1 frequency smoothing (Meta, llama3 `apply_scaling`); YaRN (Peng et al. 2023,
@@ -19,13 +26,17 @@ Algorithms: RoPE (Su et al. 2021, "RoFormer"); linear position interpolation (Ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from sits.core.errors import UnsupportedModelError
+from sits.kernels.triton_utils import has_triton
+
+if TYPE_CHECKING:
+    from sits.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -45,6 +56,9 @@ class RopeConfig:
         attention_factor: yarn cos/sin scale; None = derived from factor/mscale.
         mscale, mscale_all_dim: yarn attention-factor parameters (DeepSeek style).
         truncate: yarn: round the correction range to whole dimensions.
+        max_position_embeddings: positions the model may see (sizes the cos/sin cache of the
+            Triton path; None = unknown, the torch path is used). Not compared: it changes no
+            rotation.
     """
 
     head_dim: int
@@ -60,6 +74,7 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    max_position_embeddings: int | None = field(default=None, compare=False)
 
     @staticmethod
     def from_dict(
@@ -107,6 +122,7 @@ class RopeConfig:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
+            max_position_embeddings=max_position_embeddings,
         )
 
 
@@ -192,7 +208,11 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys given each token's absolute position."""
+    """Applies RoPE to queries and keys given each token's absolute position.
+
+    One instance may serve every layer of a model (its state is per rope config, device and
+    dtype, never per layer); sharing it shares the cos/sin cache of the Triton path.
+    """
 
     def __init__(self, rope: RopeConfig) -> None:
         super().__init__()
@@ -200,6 +220,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(rope)
         self._inv_freq_cpu = inv_freq  # [head_dim // 2] float32
         self._inv_freq_on: dict[torch.device, Tensor] = {}
+        self._cos_sin_on: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def _inv_freq(self, device: torch.device) -> Tensor:
         if device not in self._inv_freq_on:
@@ -222,22 +243,103 @@ class RotaryEmbedding(nn.Module):
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
-    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate query and key.
+    def cos_sin_cache(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of every position below max_position_embeddings, built once per
+        (device, dtype) by `cos_sin` (so the values are those the torch path computes).
+
+        Returns:
+            (cos, sin), each [max_position_embeddings, head_dim // 2] contiguous in `dtype`
+            (one half: the two halves of `cos_sin` are equal).
+
+        Raises:
+            RuntimeError: the cache is missing while a CUDA graph is being captured (run an
+                eager forward on the device first), or max_position_embeddings is unknown.
+        """
+        key = (torch.device(device), dtype)
+        cached = self._cos_sin_on.get(key)
+        if cached is not None:
+            return cached
+        if not self.rope.max_position_embeddings:
+            raise RuntimeError("the cos/sin cache needs RopeConfig.max_position_embeddings")
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the cos/sin cache must be built by an eager forward before capture")
+        half = self.rope.head_dim // 2
+        with torch.no_grad():
+            positions = torch.arange(self.rope.max_position_embeddings, device=key[0])
+            cos, sin = self.cos_sin(positions, dtype)  # [max_positions, head_dim]
+            cached = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
+        self._cos_sin_on[key] = cached
+        return cached
+
+    def forward(
+        self,
+        positions: Tensor,
+        query: Tensor,
+        key: Tensor,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+        in_place: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """Normalise each query/key head (when qk_norm is given), then rotate query and key.
+
+        On CUDA with Triton (and a known max_position_embeddings) one Triton kernel does both;
+        otherwise `RMSNorm.normalize` per head, then the rotation from `cos_sin`.
 
         Args:
             positions: [num_tokens] int64.
-            query: [num_tokens, num_heads, head_dim].
+            query: [num_tokens, num_heads, head_dim] (last dimension contiguous for Triton).
             key: [num_tokens, num_kv_heads, head_dim].
+            qk_norm: (q_norm, k_norm) RMSNorms over head_dim (Qwen3), or None.
+            in_place: the Triton path may write the results into query and key (then
+                returned); the torch path always returns new tensors.
 
         Returns:
             (query, key) rotated, same shapes and dtypes.
         """
+        if self._triton_applies(query, key, qk_norm):
+            from sits.kernels.rotary_triton import triton_qk_norm_rope
+
+            cos, sin = self.cos_sin_cache(query.device, query.dtype)  # [max_pos, D/2] each
+            q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
+            return triton_qk_norm_rope(
+                query, key, positions, cos, sin,
+                q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None,
+                q_norm.eps if q_norm is not None else 0.0,
+                k_norm.eps if k_norm is not None else 0.0,
+                in_place=in_place,
+            )  # fmt: skip
+        return self.forward_reference(positions, query, key, qk_norm)
+
+    def forward_reference(
+        self,
+        positions: Tensor,
+        query: Tensor,
+        key: Tensor,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` in PyTorch (new tensors): the Triton kernel's reference and the CPU path."""
+        if qk_norm is not None:
+            query = qk_norm[0].normalize(query)
+            key = qk_norm[1].normalize(key)
         cos, sin = self.cos_sin(positions, query.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, head_dim]
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
         return query, key
+
+    def _triton_applies(
+        self, query: Tensor, key: Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None
+    ) -> bool:
+        """True when the Triton kernel computes exactly what the torch path would: CUDA
+        tensors of one dtype (norm weights too), contiguous head dims, a sizable cache."""
+        if not query.is_cuda or not self.rope.max_position_embeddings:
+            return False
+        dtypes = {query.dtype, key.dtype}
+        if qk_norm is not None:
+            dtypes |= {qk_norm[0].weight.dtype, qk_norm[1].weight.dtype}
+        if len(dtypes) != 1 or query.stride(-1) != 1 or key.stride(-1) != 1:
+            return False
+        return has_triton()
 
     def extra_repr(self) -> str:
         return f"{self.rope}"
