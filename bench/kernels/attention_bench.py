@@ -438,6 +438,7 @@ def compile_report(shape: Shape, config) -> None:
         "HEAD_DIM": shape.head_dim,
         "BLOCK_DIM": next_power_of_2(shape.head_dim),
         "DOT_PRECISION": "tf32",
+        "KV_QUANT": "none",  # the bf16 cache (attention_quant_bench times fp8/int8)
     }
     block_q = prefill_block_q(config.prefill_block_m, group)
     kernels = [

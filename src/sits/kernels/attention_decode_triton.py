@@ -14,6 +14,9 @@ Invariants:
   num_splits is a launch parameter only (fixed for a CUDA graph, any context length works);
   a split past the end of a short context is empty and weighs 0 in the combination.
 - Softmax in float32 (log2 domain); output in the output tensor's dtype.
+- A quantized cache (`QuantizedKVCache`, fp8 or int8) is dequantized on load (see
+  `attention_tile_triton`); the fp8 V scale multiplies each split's accumulator before it is
+  stored, so the combine kernel is the same for every cache kind.
 
 Algorithm: FlashAttention-2 online softmax (Dao 2023) with the split-K ("flash-decoding",
 Dao et al. 2023) combination out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -26,7 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile
+from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile, dot_query, paged_kv
+from sits.kernels.kv_quant_ref import QuantizedKVCache
 from sits.kernels.triton_utils import next_power_of_2
 
 
@@ -34,6 +38,7 @@ from sits.kernels.triton_utils import next_power_of_2
 def decode_attention_kernel(
     query_ptr,
     cache_ptr,
+    scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -51,6 +56,9 @@ def decode_attention_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
     stride_table_seq,
     stride_part_seq,
     stride_part_head,
@@ -62,6 +70,7 @@ def decode_attention_kernel(
     BLOCK_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Program (seq, kv_head, split): attention of the sequence's query over its split."""
     seq = tl.program_id(0)
@@ -88,25 +97,34 @@ def decode_attention_kernel(
         + dims[None, :]
     )
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)  # [BLOCK_M, BLOCK_DIM]
+    q = dot_query(q, KV_QUANT)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_ptr = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
     v_ptr = k_ptr + stride_cache_kv
+    k_scale_ptr = scales_ptr + kv_head  # the head's fp8 scale, or its int8 scale column
+    v_scale_ptr = k_scale_ptr + stride_scale_kv
+    if KV_QUANT == "fp8":
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     for start_n in range(key_start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start_n, key_end, rows,
-            stride_cache_block, stride_cache_offset, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, False, False, DOT_PRECISION,
+            acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, start_n,
+            key_end, rows, stride_cache_block, stride_cache_offset, stride_scale_block,
+            stride_scale_offset, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, False, False, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
     if full_end < key_end:
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, full_end, key_end, rows,
-            stride_cache_block, stride_cache_offset, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, True, False, DOT_PRECISION,
+            acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, full_end,
+            key_end, rows, stride_cache_block, stride_cache_offset, stride_scale_block,
+            stride_scale_offset, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, True, False, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
+    if KV_QUANT == "fp8":
+        acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
         part = seq.to(tl.int64) * stride_part_seq + heads * stride_part_head + split  # [BLOCK_M]
@@ -168,7 +186,7 @@ def decode_combine_kernel(
 def triton_decode_attention(
     output: Tensor,
     query: Tensor,
-    kv_cache: Tensor,
+    kv_cache: Tensor | QuantizedKVCache,
     block_tables: Tensor,
     seq_lens: Tensor,
     query_start_loc: Tensor,
@@ -184,8 +202,9 @@ def triton_decode_attention(
         output: [num_tokens, num_heads, head_dim], query dtype; rows of sequences with one new
             token are overwritten, all others left as they are.
         query: [num_tokens, num_heads, head_dim], contiguous last dimension.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query dtype, holding
-            the step's K/V already; contiguous last dimension.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the query dtype, or a
+            `QuantizedKVCache` (fp8/int8, dequantized on load); holding the step's K/V
+            already; contiguous last dimension.
         block_tables: [num_seqs, max_num_blocks] int32.
         seq_lens: [num_seqs] int32, context length after this step.
         query_start_loc: [num_seqs + 1] int32.
@@ -196,7 +215,9 @@ def triton_decode_attention(
     """
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    kv = paged_kv(kv_cache)
+    data = kv.data  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_size, num_kv_heads = data.shape[2], data.shape[3]
     group = num_heads // num_kv_heads
     block_dim = next_power_of_2(head_dim)
     split = num_splits > 1
@@ -211,10 +232,10 @@ def triton_decode_attention(
     else:  # unused by the kernel: any float32 tensor will do
         part_acc = part_max = part_sum = output.new_empty(1, dtype=torch.float32)
     decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, output,
+        query, data, kv.scales, block_tables, seq_lens, query_start_loc, output,
         part_acc, part_max, part_sum, num_splits, scale * LOG2_E,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        data.stride(0), data.stride(1), data.stride(2), data.stride(3), *kv.scale_strides,
         block_tables.stride(0), num_heads * num_splits, num_splits,
         GROUP=group,
         BLOCK_M=max(16, next_power_of_2(group)),
@@ -224,6 +245,7 @@ def triton_decode_attention(
         BLOCK_DIM=block_dim,
         SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv.kind,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -14,6 +14,8 @@ Invariants:
 - Sequences with no new tokens, and with SKIP_SINGLE sequences with exactly one (left to the
   decode kernel), are skipped: their output rows are left as they are.
 - Softmax in float32 (log2 domain); output in the output tensor's dtype.
+- A quantized cache (`QuantizedKVCache`, fp8 or int8) is dequantized on load (see
+  `attention_tile_triton`).
 
 Algorithm: FlashAttention-2 (Dao 2023) with a paged cache (Kwon et al. 2023) and grouped-query
 heads packed into the rows of one tile (Ainslie et al. 2023, GQA).
@@ -26,7 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile
+from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile, dot_query, paged_kv
+from sits.kernels.kv_quant_ref import QuantizedKVCache
 from sits.kernels.triton_utils import cdiv, next_power_of_2
 
 
@@ -34,6 +37,7 @@ from sits.kernels.triton_utils import cdiv, next_power_of_2
 def prefill_attention_kernel(
     query_ptr,
     cache_ptr,
+    scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -47,6 +51,9 @@ def prefill_attention_kernel(
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_kv,
+    stride_scale_block,
+    stride_scale_offset,
     stride_table_seq,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -58,6 +65,7 @@ def prefill_attention_kernel(
     BLOCK_DIM: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     """Program (tile, seq, kv_head): causal attention of BLOCK_Q new tokens x GROUP heads."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -86,25 +94,34 @@ def prefill_attention_kernel(
     token_ids = (q_start + tokens).to(tl.int64)  # [BLOCK_M] rows of the flat batch
     q_ptrs = query_ptr + token_ids[:, None] * stride_q_token + heads[:, None] * stride_q_head
     q = tl.load(q_ptrs + dims[None, :], mask=row_mask, other=0.0)  # [BLOCK_M, BLOCK_DIM]
+    q = dot_query(q, KV_QUANT)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], NEG_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_ptr = cache_ptr + kv_head.to(tl.int64) * stride_cache_head
     v_ptr = k_ptr + stride_cache_kv
+    k_scale_ptr = scales_ptr + kv_head  # the head's fp8 scale, or its int8 scale column
+    v_scale_ptr = k_scale_ptr + stride_scale_kv
+    if KV_QUANT == "fp8":
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start_n, key_end, row_pos,
-            stride_cache_block, stride_cache_offset, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, False, False, DOT_PRECISION,
+            acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, start_n,
+            key_end, row_pos, stride_cache_block, stride_cache_offset, stride_scale_block,
+            stride_scale_offset, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, False, False, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
     for start_n in range(full_end, key_end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, table_ptr, start_n, key_end, row_pos,
-            stride_cache_block, stride_cache_offset, qk_scale,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, True, True, DOT_PRECISION,
+            acc, m_i, l_i, q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, start_n,
+            key_end, row_pos, stride_cache_block, stride_cache_offset, stride_scale_block,
+            stride_scale_offset, qk_scale,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_DIM, True, True, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
+    if KV_QUANT == "fp8":
+        acc = acc * tl.load(v_scale_ptr)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DIM]
     o_ptrs = out_ptr + token_ids[:, None] * stride_o_token + heads[:, None] * stride_o_head
@@ -119,7 +136,7 @@ def prefill_block_q(block_m: int, group: int) -> int:
 def triton_prefill_attention(
     output: Tensor,
     query: Tensor,
-    kv_cache: Tensor,
+    kv_cache: Tensor | QuantizedKVCache,
     block_tables: Tensor,
     seq_lens: Tensor,
     query_start_loc: Tensor,
@@ -137,8 +154,9 @@ def triton_prefill_attention(
         output: [num_tokens, num_heads, head_dim], query dtype; rows of the sequences handled
             are overwritten, all others left as they are.
         query: [num_tokens, num_heads, head_dim], contiguous last dimension.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], query dtype, holding
-            the step's K/V already; contiguous last dimension.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the query dtype, or a
+            `QuantizedKVCache` (fp8/int8, dequantized on load); holding the step's K/V
+            already; contiguous last dimension.
         block_tables: [num_seqs, max_num_blocks] int32.
         seq_lens: [num_seqs] int32, context length after this step.
         query_start_loc: [num_seqs + 1] int32.
@@ -151,16 +169,18 @@ def triton_prefill_attention(
     """
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    kv = paged_kv(kv_cache)
+    data = kv.data  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_size, num_kv_heads = data.shape[2], data.shape[3]
     group = num_heads // num_kv_heads
     block_q = prefill_block_q(block_m, group)
     num_tiles = cdiv(max_query_len, block_q)
     if num_tiles == 0 or num_seqs == 0:
         return
     prefill_attention_kernel[(num_tiles, num_seqs, num_kv_heads)](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, output, scale * LOG2_E,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        query, data, kv.scales, block_tables, seq_lens, query_start_loc, output,
+        scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        data.stride(0), data.stride(1), data.stride(2), data.stride(3), *kv.scale_strides,
         block_tables.stride(0),
         GROUP=group,
         GROUP_P2=next_power_of_2(group),
@@ -172,6 +192,7 @@ def triton_prefill_attention(
         BLOCK_DIM=next_power_of_2(head_dim),
         SKIP_SINGLE=skip_single,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv.kind,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip

@@ -7,6 +7,9 @@ Each forward writes the step's K/V into the paged cache (`kv_write_triton`), the
   a cached prefix, causal, `attention_prefill_triton`).
 A pure decode batch launches only the decode kernel (and its combine kernel when split); a
 mixed batch launches both, each skipping the other's sequences on the device.
+The cache is a tensor in the query dtype or a `QuantizedKVCache` (fp8 / int8, as for
+`TorchPagedAttention`): the write kernel quantizes (fp8: after a calibration kernel that
+returns at once once the heads are calibrated), the attention kernels dequantize on load.
 
 Invariants:
 - Same contract as `attention_ref.TorchPagedAttention`: all K/V of the step are written before
@@ -30,7 +33,8 @@ from torch import Tensor
 from sits.core.errors import InvalidParameterError
 from sits.kernels.attention_decode_triton import triton_decode_attention
 from sits.kernels.attention_prefill_triton import triton_prefill_attention
-from sits.kernels.kv_write_triton import triton_write_kv
+from sits.kernels.kv_quant_ref import QuantizedKVCache
+from sits.kernels.kv_write_triton import triton_write_kv, triton_write_kv_quantized
 from sits.kernels.triton_utils import cdiv, triton_runs_on
 
 if TYPE_CHECKING:  # a type only: kernels do not import layers at run time
@@ -48,6 +52,9 @@ class TritonAttentionConfig:
         prefill_block_n: key positions per prefill tile.
         prefill_num_warps, prefill_num_stages: prefill launch parameters.
         decode_block_n: key positions per decode tile.
+        decode_block_n_quantized: key positions per decode tile over an fp8/int8 cache (1-byte
+            tiles; on an H200 128 was 1.2-1.4x faster than 64, bench/kernels/
+            attention_quant_bench.py).
         decode_num_warps, decode_num_stages: decode launch parameters.
         decode_num_splits: fixed split count of each decode context; None = `choose_num_splits`.
         decode_target_programs: the heuristic splits until (seqs x kv heads x splits) reaches
@@ -65,6 +72,7 @@ class TritonAttentionConfig:
     prefill_num_warps: int = 8
     prefill_num_stages: int = 3
     decode_block_n: int = 64
+    decode_block_n_quantized: int = 128
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     decode_num_splits: int | None = None
@@ -74,7 +82,12 @@ class TritonAttentionConfig:
     kv_write_num_warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("prefill_block_m", "prefill_block_n", "decode_block_n"):
+        for name in (
+            "prefill_block_m",
+            "prefill_block_n",
+            "decode_block_n",
+            "decode_block_n_quantized",
+        ):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise InvalidParameterError(name, f"{name} must be a power of two >= 16")
@@ -131,6 +144,8 @@ class TritonPagedAttention:
         config: launch parameters; None = `TritonAttentionConfig()` (H200 defaults).
     """
 
+    supports_quantized_kv = True  # reads and writes `QuantizedKVCache` (fp8, int8)
+
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()
         self._checked_devices: set[torch.device] = set()
@@ -142,17 +157,19 @@ class TritonPagedAttention:
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        kv_cache: Tensor,
+        kv_cache: Tensor | QuantizedKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> Tensor:
-        """Write key/value at metadata.slot_mapping, then attend.
+        """Write key/value at metadata.slot_mapping (quantized for a quantized cache), then attend.
 
         Args:
             query: [num_tokens, num_heads, head_dim], contiguous last dimension.
-            key, value: [num_tokens, num_kv_heads, head_dim]; cast to the cache dtype.
+            key, value: [num_tokens, num_kv_heads, head_dim]; cast to the cache dtype (or
+                quantized).
             kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] in the query dtype,
-                contiguous last dimension; written in place.
+                or a `QuantizedKVCache` (fp8/int8 data of that shape with a contiguous last
+                dimension, contiguous float32 scales); written in place.
             metadata: the step's layout (device tensors on the query's device).
             scale: softmax scale.
 
@@ -164,19 +181,27 @@ class TritonPagedAttention:
                 Triton interpreter, or CUDA under the interpreter).
         """
         self._check_device(query.device)
-        triton_write_kv(
-            kv_cache, key, value, metadata.slot_mapping, num_warps=self.config.kv_write_num_warps
-        )
+        num_warps = self.config.kv_write_num_warps
+        if isinstance(kv_cache, QuantizedKVCache):
+            triton_write_kv_quantized(kv_cache, key, value, metadata.slot_mapping, num_warps)
+        else:
+            triton_write_kv(kv_cache, key, value, metadata.slot_mapping, num_warps=num_warps)
         return self.attend(query, kv_cache, metadata, scale)
 
     def attend(
-        self, query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, scale: float
+        self,
+        query: Tensor,
+        kv_cache: Tensor | QuantizedKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
     ) -> Tensor:
         """Attention only (the cache already holds the step's K/V); see `forward`."""
-        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
+        quantized = isinstance(kv_cache, QuantizedKVCache)
+        data = kv_cache.data if quantized else kv_cache  # [2, blocks, block_size, kv_heads, dim]
+        num_heads, num_kv_heads = query.shape[1], data.shape[3]
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
-        assert query.dtype == kv_cache.dtype, "the Triton kernels need query dtype == cache dtype"
-        assert metadata.block_size == kv_cache.shape[2], "metadata/cache block size mismatch"
+        assert quantized or query.dtype == data.dtype, "a plain cache must have the query dtype"
+        assert metadata.block_size == data.shape[2], "metadata/cache block size mismatch"
         output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_seqs == 0 or metadata.max_query_len == 0:
             return output
@@ -189,7 +214,7 @@ class TritonPagedAttention:
             triton_decode_attention(
                 output, query, kv_cache, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, scale, num_splits,
-                block_n=config.decode_block_n,
+                block_n=config.decode_block_n_quantized if quantized else config.decode_block_n,
                 num_warps=config.decode_num_warps,
                 num_stages=config.decode_num_stages,
             )  # fmt: skip
