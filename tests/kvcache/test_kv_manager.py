@@ -16,11 +16,18 @@ def compute(manager: KVCacheManager, request, num_tokens: int) -> None:
 
 def admit(manager: KVCacheManager, request) -> int:
     """Admit a new request with its prefix hits and compute the rest; returns cached tokens."""
-    hit_blocks, num_cached = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - num_cached, hit_blocks)
+    hit = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit)
     request.num_computed_tokens = request.num_tokens
     manager.cache_full_blocks(request, request.num_computed_tokens)
-    return num_cached
+    return hit.num_tokens
+
+
+def lookup(manager: KVCacheManager, request) -> tuple[list[int], int]:
+    """(device hit block ids, cached tokens) of a device-only manager's lookup."""
+    hit = manager.get_computed_blocks(request)
+    assert hit.host_block_ids == ()
+    return list(hit.block_ids), hit.num_tokens
 
 
 def test_table_grows_one_block_at_each_boundary(make_request) -> None:
@@ -62,36 +69,36 @@ def test_hit_exactly_at_a_block_boundary(make_request) -> None:
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     admit(manager, make_request("a", list(range(12))))
     longer = make_request("b", list(range(12)) + [99])
-    assert manager.get_computed_blocks(longer) == ([1, 2, 3], 12)
+    assert lookup(manager, longer) == ([1, 2, 3], 12)
 
 
 def test_never_the_whole_prompt(make_request) -> None:
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     admit(manager, make_request("a", list(range(12))))
     same = make_request("b", list(range(12)))
-    assert manager.get_computed_blocks(same) == ([1, 2], 8)
+    assert lookup(manager, same) == ([1, 2], 8)
     one_block = make_request("c", list(range(4)))
-    assert manager.get_computed_blocks(one_block) == ([], 0)
+    assert lookup(manager, one_block) == ([], 0)
     five = make_request("d", list(range(5)))
-    assert manager.get_computed_blocks(five) == ([1], 4)
+    assert lookup(manager, five) == ([1], 4)
 
 
 def test_lookup_skipped_for_prompt_logprobs_salt_and_disabled(make_request) -> None:
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     admit(manager, make_request("a", list(range(9)), cache_salt="tenant-1"))
-    assert manager.get_computed_blocks(make_request("b", list(range(9)), "tenant-1")) == (
+    assert lookup(manager, make_request("b", list(range(9)), "tenant-1")) == (
         [1, 2],
         8,
     )
-    assert manager.get_computed_blocks(make_request("c", list(range(9)), "tenant-2")) == ([], 0)
-    assert manager.get_computed_blocks(make_request("d", list(range(9)))) == ([], 0)
+    assert lookup(manager, make_request("c", list(range(9)), "tenant-2")) == ([], 0)
+    assert lookup(manager, make_request("d", list(range(9)))) == ([], 0)
     with_logprobs = make_request("e", list(range(9)), "tenant-1", prompt_logprobs=1)
-    assert manager.get_computed_blocks(with_logprobs) == ([], 0)
+    assert lookup(manager, with_logprobs) == ([], 0)
 
     disabled = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_prefix_caching=False)
     admit(disabled, make_request("a", list(range(9))))
     assert disabled.pool.block_hash(1) is None
-    assert disabled.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert lookup(disabled, make_request("b", list(range(9)))) == ([], 0)
 
 
 def test_only_computed_full_blocks_are_cached(make_request) -> None:
@@ -100,13 +107,13 @@ def test_only_computed_full_blocks_are_cached(make_request) -> None:
     assert manager.allocate_slots(request, 12)
     assert manager.get_block_ids("a") == [1, 2, 3]
     other = make_request("b", list(range(12)) + [7])
-    assert manager.get_computed_blocks(other) == ([], 0)  # allocated but not computed yet
+    assert lookup(manager, other) == ([], 0)  # allocated but not computed yet
     request.num_computed_tokens = 7
     manager.cache_full_blocks(request, 7)
-    assert manager.get_computed_blocks(other) == ([1], 4)
+    assert lookup(manager, other) == ([1], 4)
     request.num_computed_tokens = 12
     manager.cache_full_blocks(request, 12)
-    assert manager.get_computed_blocks(other) == ([1, 2, 3], 12)
+    assert lookup(manager, other) == ([1, 2, 3], 12)
 
 
 def test_lru_eviction_with_exact_block_ids(make_request) -> None:
@@ -122,7 +129,7 @@ def test_lru_eviction_with_exact_block_ids(make_request) -> None:
     assert manager.get_block_ids("b") == [3, 4, 2]
     # a's first block (1) survived; its second block was evicted, so the hit stops there.
     again = make_request("c", list(range(8)) + [8])
-    assert manager.get_computed_blocks(again) == ([1], 4)
+    assert lookup(manager, again) == ([1], 4)
 
 
 def test_allocation_is_all_or_nothing_counting_free_hits(make_request) -> None:
@@ -135,13 +142,14 @@ def test_allocation_is_all_or_nothing_counting_free_hits(make_request) -> None:
     assert manager.get_block_ids("h") == [3]
     # Hitting blocks 1 and 2 takes them out of the free queue: nothing is left for the tail.
     second = make_request("b", list(range(8)) + [8, 9])
-    hit_blocks, num_cached = manager.get_computed_blocks(second)
-    assert (hit_blocks, num_cached) == ([1, 2], 8)
-    assert not manager.allocate_slots(second, 2, hit_blocks)
+    hit = manager.get_computed_blocks(second)
+    assert (hit.block_ids, hit.num_tokens) == ((1, 2), 8)
+    assert manager.num_blocks_to_take(second, 2, hit) == 3
+    assert not manager.allocate_slots(second, 2, hit)
     assert manager.get_block_ids("b") == []
     assert manager.num_free_blocks == 2 and manager.pool.ref_count(1) == 0
     manager.free(hog)
-    assert manager.allocate_slots(second, 2, hit_blocks)
+    assert manager.allocate_slots(second, 2, hit)
     assert manager.get_block_ids("b") == [1, 2, 3]
 
 
@@ -156,7 +164,7 @@ def test_preempted_request_rehits_its_own_output_blocks(make_request) -> None:
     assert manager.get_block_ids("a") == [1, 2, 3]
     manager.free(request)
     request.num_computed_tokens = 0
-    assert manager.get_computed_blocks(request) == ([1, 2], 8)
+    assert lookup(manager, request) == ([1, 2], 8)
 
 
 def test_prefix_cache_stats_count_admissions(make_request) -> None:

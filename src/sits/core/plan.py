@@ -62,13 +62,17 @@ class StepPlan:
         scheduled: requests in batch order, each with its tokens for this step.
         new_requests: requests the runner sees for the first time this step.
         finished_request_ids: requests that ended since the last step (runner drops state).
-        swap_out: (device block id, host block id) copies to the host tier, of blocks of
-            requests preempted by swapping this step.
-        swap_in: (host block id, device block id) copies back, of resumed requests.
+        swap_out: (device block id, host block id) copies to the host tier: blocks of
+            requests preempted by swapping this step, and cached prefix blocks the device
+            evicts this step (kept in the host tier's prefix cache). No host block appears
+            twice.
+        swap_in: (host block id, device block id) copies back: blocks of resumed requests and
+            host prefix-cache hits. No device block appears twice.
             The runner executes every swap-out, then every swap-in, before the step's forward
             (a device block freed by a swap-out may be reused by a swap-in or written by the
-            forward in the same step; a host block read by a swap-in is not reused by the
-            scheduler before the next step).
+            forward in the same step; a swap-in may read a host block written by a swap-out
+            of the same plan and must see that data; a host block read by a swap-in is not
+            reused by the scheduler before the next step).
     """
 
     scheduled: list[ScheduledRequest]

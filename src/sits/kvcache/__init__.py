@@ -2,25 +2,39 @@
 
 `BlockPool` owns blocks, reference counts and the LRU free queue; `KVCacheManager` owns each
 request's block table and the chained-hash prefix lookups (see `hashing`). Block 0 is the
-reserved null block (`NULL_BLOCK_ID`). `HostBlockPool` tracks the host tier's blocks (swap
-preemption).
+reserved null block (`NULL_BLOCK_ID`). `HostBlockPool` tracks the host tier's blocks (swapped-out
+requests' blocks and an LRU of prefix blocks the device evicted); `HostPrefixTier` moves
+evicted prefix blocks there and serves prefix hits from it.
 """
 
 from __future__ import annotations
 
-from sits.kvcache.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from sits.kvcache.block_pool import NULL_BLOCK_ID, BlockPool, EvictedBlock, KVBlock
 from sits.kvcache.hashing import BlockHash, hash_block_tokens, hash_full_blocks
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
-from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats, cdiv
+from sits.kvcache.host_prefix import HostPrefixTier
+from sits.kvcache.kv_manager import (
+    NO_DEVICE_BLOCK,
+    NO_HIT,
+    KVCacheManager,
+    PrefixCacheStats,
+    PrefixHit,
+    cdiv,
+)
 
 __all__ = [
+    "NO_DEVICE_BLOCK",
+    "NO_HIT",
     "NULL_BLOCK_ID",
     "BlockHash",
     "BlockPool",
+    "EvictedBlock",
     "KVBlock",
     "HostBlockPool",
+    "HostPrefixTier",
     "KVCacheManager",
     "PrefixCacheStats",
+    "PrefixHit",
     "SwapStats",
     "cdiv",
     "hash_block_tokens",

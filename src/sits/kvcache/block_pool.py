@@ -13,6 +13,9 @@ Invariants:
   appended at the TAIL, so cached free blocks are evicted least-recently-freed first (LRU).
 - `_cached_block_ids[h] == b` implies block b holds hash h and its token ids; at most one block
   is registered per hash (a later duplicate stays uncached).
+- With `record_evictions`, every registered block that `allocate` takes away from the prefix
+  cache is reported by the next `take_evicted()` (so a host tier can copy it out before the
+  block is overwritten); nothing is recorded otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sits.kvcache.hashing import BlockHash
 
@@ -43,22 +47,42 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
 
 
+class EvictedBlock(NamedTuple):
+    """A cached block `allocate` took from the prefix cache (its KV is still intact until the
+    step that reuses the block writes it).
+
+    Attributes:
+        block_id: the device block, now allocated to a new user.
+        block_hash: the hash it was registered under.
+        token_ids: its token ids.
+    """
+
+    block_id: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+
+
 class BlockPool:
     """Fixed pool of `num_blocks` KV blocks with reference counts and an LRU prefix cache.
 
     Args:
         num_blocks: blocks in the cache tensors, including the reserved null block 0.
         enable_caching: keep hashes of full blocks for prefix reuse.
+        record_evictions: record the cached blocks `allocate` evicts (see `take_evicted`).
 
     Raises:
         ValueError: num_blocks < 2 (the null block plus at least one usable block).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_evictions: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.record_evictions = record_evictions
+        self._evicted: list[EvictedBlock] = []
         self._blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         # Ordered block ids; head = next to allocate (and evict), tail = most recently freed.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
@@ -175,10 +199,20 @@ class BlockPool:
         self._cached_block_ids.clear()
         return True
 
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks evicted by `allocate` since the last call, in eviction order."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self._cached_block_ids.get(block.block_hash) == block.block_id:
             del self._cached_block_ids[block.block_hash]
+            if self.record_evictions:
+                assert block.token_ids is not None
+                self._evicted.append(
+                    EvictedBlock(block.block_id, block.block_hash, block.token_ids)
+                )
         block.block_hash = None
         block.token_ids = None

@@ -9,10 +9,16 @@ Invariants:
   `len(table) == cdiv(num_computed_tokens + num_new_tokens, block_size)` after allocation.
 - A prefix hit never covers all of a request's tokens: at least one token is computed, so the
   model produces logits to sample from.
-- Blocks are registered in the prefix cache only through `cache_full_blocks`, called after the
-  step that computed them (never at scheduling time, when their KV is not written yet).
+- Blocks are registered in the prefix cache through `cache_full_blocks`, called after the
+  step that computed them (never at scheduling time, when their KV is not written yet). The
+  one exception: a block filled from the host tier is registered when its copy is planned, as
+  the runner copies it in before the step's forward (so a later request of the same step may
+  share it instead of copying the same host block again).
 - Block hashes cover `request.all_token_ids` (prompt and outputs) chained in the request's
   namespace (`request.cache_salt`), so a preempted request can hit its own earlier blocks.
+- With a host tier (`HostPrefixTier`), a lookup goes block by block: the device first, then the
+  host; the hit ends at the first block found in neither. Every cached device block that an
+  allocation evicts is offered to the host tier in the same call (`HostPrefixTier.offload`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from dataclasses import dataclass
 from sits.core.request import Request
 from sits.kvcache.block_pool import BlockPool
 from sits.kvcache.hashing import BlockHash, hash_full_blocks
+from sits.kvcache.host_prefix import HostPrefixTier
+
+NO_DEVICE_BLOCK = -1  # a `PrefixHit` block held only by the host tier
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +58,30 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A new request's longest cached prefix, block by block (`get_computed_blocks`).
+
+    Attributes:
+        block_ids: per hit block, in order: its device block id, or NO_DEVICE_BLOCK (-1) where
+            only the host tier holds it (a new device block is allocated and filled by a copy).
+        host_block_ids: the host block ids of the NO_DEVICE_BLOCK entries, in order.
+        num_tokens: cached tokens, len(block_ids) * block_size.
+    """
+
+    block_ids: tuple[int, ...] = ()
+    host_block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    @property
+    def device_block_ids(self) -> list[int]:
+        """The hit blocks already on the device, in order."""
+        return [b for b in self.block_ids if b != NO_DEVICE_BLOCK]
+
+
+NO_HIT = PrefixHit()
+
+
 class KVCacheManager:
     """Per-request block tables over one `BlockPool`, with optional prefix caching.
 
@@ -56,17 +89,30 @@ class KVCacheManager:
         num_blocks: blocks in the cache, including the reserved null block 0.
         block_size: tokens per block.
         enable_prefix_caching: look up and register full blocks by chained hash.
+        host_tier: the host tier's prefix cache (evicted blocks go there, lookups that miss
+            on the device try it); None, or prefix caching off: device only.
 
     Raises:
         ValueError: num_blocks < 2 or block_size < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostPrefixTier | None = None,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.pool = BlockPool(
+            num_blocks,
+            enable_caching=enable_prefix_caching,
+            record_evictions=self.host_tier is not None,
+        )
         self.stats = PrefixCacheStats()
         self._block_tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -91,45 +137,68 @@ class KVCacheManager:
         """The request's block table (the live list; copy before keeping it)."""
         return self._block_tables.get(request_id, [])
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of a request that holds no blocks yet.
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """Longest cached prefix of a request that holds no blocks yet (device, then host).
 
         The lookup is skipped (no hit) when prefix caching is off or the request asked for
         prompt_logprobs (cached tokens have no logits). At most `num_tokens - 1` tokens hit, so
         when every token would hit, the last block is dropped and recomputed.
 
         Returns:
-            (block ids to pass to `allocate_slots`, number of cached tokens =
-            len(block ids) * block_size). The blocks are not referenced until allocated.
+            The hit, to pass to `allocate_slots`. Nothing is referenced or pinned until then.
         """
         if not self._lookup_enabled(request):
-            return [], 0
+            return NO_HIT
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_hit_blocks)
         block_ids: list[int] = []
+        host_block_ids: list[int] = []
         tokens = request.all_token_ids
         for block_idx, block_hash in enumerate(hashes[:max_hit_blocks]):
             start = block_idx * self.block_size
-            block_id = self.pool.lookup(block_hash, tokens[start : start + self.block_size])
+            block_tokens = tokens[start : start + self.block_size]
+            block_id = self.pool.lookup(block_hash, block_tokens)
+            if block_id is None and self.host_tier is not None:
+                host_id = self.host_tier.lookup(block_hash, block_tokens)
+                if host_id is not None:
+                    block_id = NO_DEVICE_BLOCK
+                    host_block_ids.append(host_id)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids, len(block_ids) * self.block_size
+        return PrefixHit(tuple(block_ids), tuple(host_block_ids), len(block_ids) * self.block_size)
+
+    def num_blocks_to_take(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT
+    ) -> int:
+        """Free-pool blocks `allocate_slots` would take: new blocks (one per host hit block
+        included) plus device hit blocks that sit in the free queue."""
+        table = self._block_tables.get(request.request_id, [])
+        num_held = len(hit.block_ids) + len(table)
+        num_total_tokens = request.num_computed_tokens + hit.num_tokens + num_new_tokens
+        num_new_blocks = max(cdiv(num_total_tokens, self.block_size) - num_held, 0)
+        num_free_hits = sum(1 for b in hit.device_block_ids if self.pool.ref_count(b) == 0)
+        return num_new_blocks + len(hit.host_block_ids) + num_free_hits
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[int] | None = None,
+        hit: PrefixHit = NO_HIT,
         count_lookup: bool = True,
     ) -> bool:
         """Grow the request's table to hold its computed, newly hit and new tokens.
 
+        Device hit blocks gain a reference; each host hit block gets a new device block,
+        registered under its hash at once, with a host -> device copy planned
+        (`HostPrefixTier.load`). Cached device blocks evicted by the allocation are offered to
+        the host tier.
+
         Args:
-            request: the request; `request.num_computed_tokens` excludes `new_computed_blocks`.
+            request: the request; `request.num_computed_tokens` excludes the hit's tokens.
             num_new_tokens: tokens to compute this step (>= 1).
-            new_computed_blocks: prefix-hit blocks from `get_computed_blocks` (only when the
-                request holds no blocks yet).
+            hit: prefix hit from `get_computed_blocks` (only when the request holds no blocks
+                yet).
             count_lookup: count a first allocation in the prefix-cache stats (False for a
                 request resumed from the host tier, which did not look up the cache).
 
@@ -137,30 +206,58 @@ class KVCacheManager:
             True when allocated; False (nothing changed) when there are not enough free blocks.
         """
         assert num_new_tokens >= 1, num_new_tokens
-        hit_block_ids = new_computed_blocks or []
         request_id = request.request_id
         table = self._block_tables.get(request_id)
-        assert table is None or not hit_block_ids, "prefix hits only for a new request"
-        num_held_blocks = len(hit_block_ids) + (len(table) if table else 0)
-        num_total_tokens = (
-            request.num_computed_tokens + len(hit_block_ids) * self.block_size + num_new_tokens
-        )
-        num_alloc_blocks = max(cdiv(num_total_tokens, self.block_size) - num_held_blocks, 0)
-        # Hit blocks that sit in the free queue stop being free once referenced.
-        num_free_hits = sum(1 for b in hit_block_ids if self.pool.ref_count(b) == 0)
-        if num_alloc_blocks > self.pool.num_free_blocks - num_free_hits:
+        assert table is None or not hit.block_ids, "prefix hits only for a new request"
+        num_take = self.num_blocks_to_take(request, num_new_tokens, hit)
+        if num_take > self.pool.num_free_blocks:
             return False
+        device_hit_ids = hit.device_block_ids
+        num_free_hits = sum(1 for b in device_hit_ids if self.pool.ref_count(b) == 0)
         if table is None:
             table = self._block_tables[request_id] = []
-            self._num_cached_blocks[request_id] = len(hit_block_ids)
+            self._num_cached_blocks[request_id] = len(hit.block_ids)
             if count_lookup and self._lookup_enabled(request):
                 self.stats.num_requests += 1
                 self.stats.num_query_tokens += request.num_tokens
-                self.stats.num_hit_tokens += len(hit_block_ids) * self.block_size
-        self.pool.touch(hit_block_ids)
-        table.extend(hit_block_ids)
-        table.extend(self.pool.allocate(num_alloc_blocks))
+                self.stats.num_hit_tokens += len(device_hit_ids) * self.block_size
+        self.pool.touch(device_hit_ids)
+        if hit.host_block_ids:
+            assert self.host_tier is not None
+            self.host_tier.reserve(hit.host_block_ids)
+        new_block_ids = self.pool.allocate(num_take - num_free_hits)
+        if self.host_tier is not None:
+            self.host_tier.offload(self.pool.take_evicted())
+        if hit.host_block_ids:
+            num_loaded = len(hit.host_block_ids)
+            table.extend(self._fill_host_hits(request, hit, new_block_ids[:num_loaded]))
+            new_block_ids = new_block_ids[num_loaded:]
+        else:
+            table.extend(hit.block_ids)
+        table.extend(new_block_ids)
         return True
+
+    def _fill_host_hits(
+        self, request: Request, hit: PrefixHit, loaded_block_ids: list[int]
+    ) -> list[int]:
+        """The hit's table part, host hits on their new device blocks (registered under their
+        hashes, copies planned); counts the host-hit tokens."""
+        assert self.host_tier is not None
+        hashes = self._hashes(request, len(hit.block_ids))
+        tokens = request.all_token_ids
+        new_ids = iter(loaded_block_ids)
+        block_ids = []
+        for block_idx, block_id in enumerate(hit.block_ids):
+            if block_id == NO_DEVICE_BLOCK:
+                block_id = next(new_ids)
+                start = block_idx * self.block_size
+                block_tokens = tokens[start : start + self.block_size]
+                registered = self.pool.cache_block(block_id, hashes[block_idx], block_tokens)
+                assert registered, (request.request_id, block_idx)
+            block_ids.append(block_id)
+        self.host_tier.load(hit.host_block_ids, loaded_block_ids)
+        self.host_tier.stats.num_host_hit_tokens += len(loaded_block_ids) * self.block_size
+        return block_ids
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full and computed in the prefix cache.
@@ -197,8 +294,13 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; only when no request holds blocks (see BlockPool)."""
-        return self.pool.reset_prefix_cache()
+        """Forget all cached prefixes, on the host tier too; only when no request holds device
+        blocks (see BlockPool)."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.host.reset_cache()
+        return True
 
     def _lookup_enabled(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None

@@ -13,7 +13,8 @@ swap-in sees the host data as left by the swap-outs of the same call; the step's
 after the call on the current stream, sees the swapped-in blocks.
 
 CPU: synchronous copies, swap-outs then swap-ins.
-CUDA: copies run on a side stream, ordered by events:
+CUDA ("staged" copies; `staged=True` runs the same algorithm on the CPU, for tests): copies run
+on a side stream, ordered by events:
 1. the side stream waits for the current stream (the previous forward wrote the KV read now);
 2. swap-outs gather their device blocks into a device staging buffer (device-to-device);
 3. swap-ins fill a device staging buffer from pinned host memory (DMA), or from (2)'s staging
@@ -23,14 +24,20 @@ CUDA: copies run on a side stream, ordered by events:
 5. the device -> host DMA of (2)'s staging buffer runs after the event, overlapping with the
    forward. Later calls use the same side stream, so a host block is never read or rewritten
    before an earlier DMA into it finished. `synchronize()` waits for everything (tests).
+Staging buffers hold at most `max_staged_bytes` each: larger swap-outs are copied out chunk by
+chunk before the swap-ins (which then read them from the host in stream order) and before the
+event, so the forward waits for them too; larger swap-ins go chunk by chunk.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 GIB_BYTES = 1 << 30
+DEFAULT_MAX_STAGED_BYTES = 1 << 30
 
 
 def num_host_blocks(cpu_offload_gb: float, bytes_per_block: int) -> int:
@@ -61,13 +68,22 @@ class HostKVCache:
         device_caches: the device KV caches (plain tensors, one shape and dtype), each
             [2, num_blocks, block_size, num_kv_heads, head_dim].
         num_blocks: host blocks to allocate (>= 1).
+        staged: copy through device staging buffers (the CUDA algorithm); None: on CUDA only.
+            On the CPU there is no stream, so it is synchronous either way.
+        max_staged_bytes: the largest staging buffer (at least one block).
 
     Attributes:
         blocks: [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
         caches: per layer, a [2, num_host_blocks, block_size, num_kv_heads, head_dim] view.
     """
 
-    def __init__(self, device_caches: list[Tensor], num_blocks: int) -> None:
+    def __init__(
+        self,
+        device_caches: list[Tensor],
+        num_blocks: int,
+        staged: bool | None = None,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+    ) -> None:
         assert num_blocks >= 1 and device_caches, num_blocks
         assert all(isinstance(c, Tensor) for c in device_caches), "plain-tensor caches only"
         first = device_caches[0]
@@ -83,6 +99,9 @@ class HostKVCache:
             self.blocks = torch.zeros(shape, dtype=first.dtype)
             self._stream = None
         self.caches = [self.blocks[:, layer].transpose(0, 1) for layer in range(len(device_caches))]
+        self.staged = self._stream is not None if staged is None else staged
+        block_bytes = self.blocks[0].numel() * self.blocks.element_size()
+        self.max_staged_blocks = max(max_staged_bytes // block_bytes, 1)
 
     def copy_blocks(
         self,
@@ -97,10 +116,12 @@ class HostKVCache:
         """
         if not swap_out and not swap_in:
             return
-        if self._stream is None:
-            self._copy_sync(device_caches, swap_out, swap_in)
-        else:
+        if self._stream is not None:
             self._copy_cuda(device_caches, swap_out, swap_in, self._stream)
+        elif self.staged:
+            self._copy_staged(device_caches, swap_out, swap_in, on_ready=None)
+        else:
+            self._copy_sync(device_caches, swap_out, swap_in)
 
     def synchronize(self) -> None:
         """Wait until every copy issued so far has finished (no-op on the CPU)."""
@@ -135,18 +156,46 @@ class HostKVCache:
     ) -> None:
         main = torch.cuda.current_stream(self.device)
         side.wait_stream(main)
+        ready = torch.cuda.Event()
         with torch.cuda.stream(side):
-            out_pairs = sorted(swap_out, key=lambda pair: pair[1])
+            self._copy_staged(device_caches, swap_out, swap_in, on_ready=lambda: ready.record(side))
+        main.wait_event(ready)
+
+    def _copy_staged(
+        self,
+        device_caches: list[Tensor],
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        on_ready: Callable[[], None] | None,
+    ) -> None:
+        """Steps 2, 3 and 5 of the module docstring, on the current stream; `on_ready` is
+        called between 3 and 5 (CUDA: records the event the forward waits for)."""
+        out_pairs = sorted(swap_out, key=lambda pair: pair[1])
+        max_rows = self.max_staged_blocks
+        staged_out: Tensor | None = None
+        out_rows: dict[int, int] = {}  # host id -> row of staged_out
+        if len(out_pairs) <= max_rows:  # the DMA out waits until after `on_ready`
             staged_out = self._gather(device_caches, [d for d, _ in out_pairs])
             out_rows = {host_id: row for row, (_, host_id) in enumerate(out_pairs)}
-            if swap_in:
-                self._load(device_caches, swap_in, staged_out, out_rows)
-            ready = torch.cuda.Event()
-            ready.record(side)
-            for row, host_id, length in copy_runs([(r, h) for r, (_, h) in enumerate(out_pairs)]):
-                dst = self.blocks[host_id : host_id + length]
-                dst.copy_(staged_out[row : row + length], non_blocking=True)
-        main.wait_event(ready)
+        else:  # chunk by chunk now; swap-ins then read the host in stream order
+            for start in range(0, len(out_pairs), max_rows):
+                part = out_pairs[start : start + max_rows]
+                self._store(self._gather(device_caches, [d for d, _ in part]), part)
+        in_pairs = sorted(swap_in, key=lambda pair: pair[0])
+        for start in range(0, len(in_pairs), max_rows):
+            part = in_pairs[start : start + max_rows]
+            self._load(device_caches, part, staged_out, out_rows)
+        if on_ready is not None:
+            on_ready()
+        if staged_out is not None:
+            self._store(staged_out, out_pairs)
+
+    def _store(self, staged: Tensor, pairs: list[tuple[int, int]]) -> None:
+        """DMA staged rows to their host blocks; `pairs` sorted by host id, row i = pairs[i]."""
+        non_blocking = self.device.type == "cuda"
+        for row, host_id, length in copy_runs([(r, h) for r, (_, h) in enumerate(pairs)]):
+            dst = self.blocks[host_id : host_id + length]
+            dst.copy_(staged[row : row + length], non_blocking=non_blocking)
 
     def _gather(self, device_caches: list[Tensor], dev_ids: list[int]) -> Tensor:
         """Device blocks in host layout: [n, num_layers, 2, block_size, kv_heads, dim]."""
@@ -163,24 +212,24 @@ class HostKVCache:
     def _load(
         self,
         device_caches: list[Tensor],
-        swap_in: list[tuple[int, int]],
-        staged_out: Tensor,
+        pairs: list[tuple[int, int]],
+        staged_out: Tensor | None,
         out_rows: dict[int, int],
     ) -> None:
-        """Swap-ins on the side stream: host (or this call's staged swap-outs) -> device."""
-        pairs = sorted(swap_in, key=lambda pair: pair[0])
+        """Swap-ins (sorted by host id): host, or this call's staged swap-outs, -> device."""
         staged = torch.empty(
             (len(pairs), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device
         )  # [n, num_layers, 2, block_size, kv_heads, dim]
         from_host = []  # (row, host id) of blocks the host holds already
         for row, (host_id, _) in enumerate(pairs):
-            if host_id in out_rows:  # written by this call: take the new data
+            if staged_out is not None and host_id in out_rows:  # written by this call
                 staged[row].copy_(staged_out[out_rows[host_id]])
             else:
                 from_host.append((row, host_id))
+        non_blocking = self.device.type == "cuda"
         for row, host_id, length in copy_runs(from_host):
             src = self.blocks[host_id : host_id + length]
-            staged[row : row + length].copy_(src, non_blocking=True)
+            staged[row : row + length].copy_(src, non_blocking=non_blocking)
         index = torch.tensor([d for _, d in pairs], device=self.device)
         for layer, dev in enumerate(device_caches):
             dev.index_copy_(1, index, staged[:, layer].transpose(0, 1))

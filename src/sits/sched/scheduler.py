@@ -18,7 +18,9 @@ computed blocks fit in the free host blocks and whose copy out and back is cheap
 recomputing its tokens (`SwapCostModel`) is swapped: the plan carries (device, host) copies in
 `swap_out`, the request keeps `num_computed_tokens` while waiting, and when admitted again it
 gets new device blocks filled by `swap_in` copies and goes on without recompute. Otherwise it
-drops its KV and recomputes (`num_computed_tokens = 0`). `swap_stats` counts both.
+drops its KV and recomputes (`num_computed_tokens = 0`). `swap_stats` counts both. With prefix
+caching, the host tier also keeps prefix blocks the device evicts, and a prefix hit there is
+copied back in (`swap_out`/`swap_in` too) instead of recomputed (`sits.kvcache.host_prefix`).
 
 Without configured tenants this is plain FCFS: a preempted request goes to the front of the
 queue, a request that does not fit stops admission (no later one jumps ahead), and the victim
@@ -50,7 +52,7 @@ from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
-from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats, cdiv
+from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixCacheStats, PrefixHit
 from sits.sched.checks import check_stop, engine_output, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
@@ -85,8 +87,12 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.swapper = SwapPlanner(config)
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            host_tier=self.swapper.prefix_tier,
         )
         self._book = TenantBook(config)
         self._requests: dict[str, Request] = {}  # unfinished requests by id
@@ -97,7 +103,6 @@ class Scheduler:
         self._known_to_runner: set[str] = set()  # sent in StepPlan.new_requests, not finished
         self._finished_ids: list[str] = []  # finished since the last schedule(), runner knew
         self._num_preemptions = 0
-        self.swapper = SwapPlanner(config)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -243,6 +248,7 @@ class Scheduler:
             self._reclaim_reservations(step)
         self._schedule_running(step)
         self._schedule_waiting(step)
+        self.swapper.end_step(step.swap_out, step.swap_in)
         finished_ids, self._finished_ids = self._finished_ids, []
         return StepPlan(
             scheduled=step.scheduled,
@@ -309,7 +315,7 @@ class Scheduler:
             True when allocated; False when the request itself was preempted.
         """
         tenant = self._tenant(request)
-        while not self._try_allocate(request, tenant, num_new_tokens, [], False):
+        while not self._try_allocate(request, tenant, num_new_tokens, NO_HIT, False):
             # Victims: block borrowers, or the requester's own tenant (never another tenant
             # within its reserved blocks).
             victim = self._pick_victim(
@@ -327,33 +333,20 @@ class Scheduler:
         request: Request,
         tenant: TenantState,
         num_new_tokens: int,
-        hit_block_ids: list[int],
+        hit: PrefixHit,
         within_reservation: bool,
         count_lookup: bool = True,
     ) -> bool:
         """Allocate the request's blocks if its tenant may take them now; False: unchanged."""
-        num_blocks = self._num_blocks_to_take(request, num_new_tokens, hit_block_ids)
+        num_blocks = self.kv.num_blocks_to_take(request, num_new_tokens, hit)
         free = self.kv.num_free_blocks
         if not self._book.may_take_blocks(tenant, num_blocks, free, within_reservation):
             return False
         num_held = len(self.kv.get_block_ids(request.request_id))
-        allocated = self.kv.allocate_slots(request, num_new_tokens, hit_block_ids, count_lookup)
+        allocated = self.kv.allocate_slots(request, num_new_tokens, hit, count_lookup)
         assert allocated, (request.request_id, num_blocks, free)
         self._book.add_blocks(tenant, self.kv.get_block_ids(request.request_id)[num_held:])
         return True
-
-    def _num_blocks_to_take(
-        self, request: Request, num_new_tokens: int, hit_block_ids: list[int]
-    ) -> int:
-        """Free-pool blocks `kv.allocate_slots` would take (new blocks + free prefix hits)."""
-        block_size = self.config.block_size
-        num_held = len(hit_block_ids) + len(self.kv.get_block_ids(request.request_id))
-        num_total_tokens = (
-            request.num_computed_tokens + len(hit_block_ids) * block_size + num_new_tokens
-        )
-        num_new_blocks = max(cdiv(num_total_tokens, block_size) - num_held, 0)
-        pool = self.kv.pool
-        return num_new_blocks + sum(1 for b in hit_block_ids if pool.ref_count(b) == 0)
 
     def _pick_victim(
         self, step: _StepState, among: Callable[[TenantState], bool] | None = None
@@ -444,12 +437,13 @@ class Scheduler:
             return False
         swapped = self.swapper.is_swapped(request.request_id)
         if swapped:  # resumes with its own KV from the host tier: no prefix lookup
-            hit_block_ids, num_cached_tokens = [], request.num_computed_tokens
-        else:
-            hit_block_ids, num_cached_tokens = self.kv.get_computed_blocks(request)
+            hit, num_cached_tokens = NO_HIT, request.num_computed_tokens
+        else:  # hits on the device, or on the host tier (copied in: computed tokens too)
+            hit = self.kv.get_computed_blocks(request)
+            num_cached_tokens = hit.num_tokens
         num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
         if not self._try_allocate(
-            request, tenant, num_new_tokens, hit_block_ids, within_reservation, not swapped
+            request, tenant, num_new_tokens, hit, within_reservation, not swapped
         ):
             return False
         self._book.remove_waiting(tenant, request)
