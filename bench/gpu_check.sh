@@ -1,30 +1,64 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the gpu-marked tests (and the CPU tests of the kernels, compiled
-# for the GPU), then the attention micro-benchmark; prints a short table at the end.
-# Usage (repo root, on the GPU machine): bash bench/gpu_check.sh [--quick]
+# for the GPU), the kernel micro-benchmarks and the end-to-end benchmarks of issue 4; prints a
+# short table at the end. Logs and JSON figures go to $OUT (or /tmp/sits-gpu-check).
+# Usage (repo root, on the GPU machine): bash bench/gpu_check.sh [SECTION ...]
+#   sections: tests micro e2e targets (default: tests micro e2e)
+#   tests    all gpu-marked tests (kernels, sampling, models, layers, runner)
+#   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
+#   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
+#   targets  the issue-4 target workloads, with the transformers peer (long: ~8 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-/tmp/sits-gpu-check}"
 mkdir -p "$OUT_DIR"
+SECTIONS="${*:-tests micro e2e}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+git log -1 --format='commit %h %s' 2>/dev/null || true
 
 status=()
-run() {  # run NAME CMD...: run a step, keep its log, record its exit code
+run() {  # run NAME CMD...: run a step, keep its log, record its exit code and last line
   local name=$1; shift
   echo "== $name: $*"
   local t0=$SECONDS
   "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   local rc=${PIPESTATUS[0]}
-  status+=("$name|$rc|$((SECONDS - t0))s|$(tail -n 1 "$OUT_DIR/$name.log" | cut -c1-70)")
+  status+=("$name|$rc|$((SECONDS - t0))s|$(grep -v '^\s*$' "$OUT_DIR/$name.log" | tail -n 1 | cut -c1-90)")
 }
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+sits() { python3 -m sits.cli.main "$@"; }
 
-run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels
-run sampling_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/sampling
-if [ "${1:-}" != "--quick" ]; then
-  run model_tests python3 -m pytest -q -p no:cacheprovider tests/models tests/layers
+if has tests; then
+  run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -x tests/kernels
+  run model_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py
+fi
+if has micro; then
   run attention_bench python3 bench/kernels/attention_bench.py
+  run attention_quant_bench python3 bench/kernels/attention_quant_bench.py
+  run moe_bench python3 bench/kernels/moe_bench.py
+  run norm_rotary_bench python3 bench/kernels/norm_rotary_bench.py
+fi
+if has e2e; then
+  run latency_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
+    --input-len 512 --output-len 128 --output-json "$OUT_DIR/latency_qwen3_b1.json"
+  run throughput_qwen3 sits bench throughput --random-weights qwen3-30b-a3b \
+    --input-len 512 --output-len 128 --num-prompts 256 \
+    --output-json "$OUT_DIR/throughput_qwen3.json"
+fi
+if has targets; then
+  run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
+    --input-len 512 --output-len 128 --num-prompts 256 --peer transformers \
+    --output-json "$OUT_DIR/target_qwen3_offline.json"
+  run target_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
+    --input-len 2048 --output-len 1024 --num-iters 1 --output-json "$OUT_DIR/target_qwen3_b10.json"
+  run target_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
+    --input-len 512 --output-len 256 --output-json "$OUT_DIR/target_qwen3_b1.json"
+  run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
+    --input-len 1000 --output-len 1000 --num-prompts 1000 \
+    --output-json "$OUT_DIR/target_llama8b.json"
 fi
 
 echo

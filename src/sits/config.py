@@ -13,6 +13,7 @@ from sits.core.errors import InvalidParameterError
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,11 @@ class EngineConfig:
             requests swap their blocks out and back instead of recomputing when cheaper.
             0 (the default): no host tier, recompute-only preemption. Only with
             kv_cache_dtype "auto" (quantized caches are refused for now).
+        load_format: "auto" (the checkpoint's safetensors), "safetensors", or "dummy":
+            seeded random weights (`seed`) made directly on the device from config.json alone,
+            for benchmarks of real shapes without downloads (`sits.models.dummy`).
+        skip_tokenizer_init: load no tokenizer: prompts must be token ids and outputs carry
+            token ids only (empty text); stop strings are refused.
     """
 
     model: str
@@ -59,6 +65,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     cpu_offload_gb: float = 0
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,6 +77,11 @@ class EngineConfig:
             raise InvalidParameterError(
                 "kv_cache_dtype",
                 f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidParameterError(
+                "load_format",
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise InvalidParameterError(

@@ -11,9 +11,14 @@
 - `report`: the machine description, the JSON result and the tables printed from it;
 - `serve`: `sits bench serve` (flags and the run);
 - `server_proc`, `qos_compare`: `sits bench qos`, the same tenant mix against `sits serve`
-  subprocesses with and without QoS.
+  subprocesses with and without QoS;
+- offline benchmarks of the engine itself: `offline` (`sits bench throughput`), `latency`
+  (`sits bench latency`), with `offline_common` (flags, engine config, prompts, tables),
+  `shapes` (named real model shapes for `--random-weights`), `steps` (what each engine step
+  computed), `roofline` (bytes, FLOPs and ideal time of a step against the H200's ceilings)
+  and `peer` (transformers' `generate_batch` on the same weights).
 
 Nothing here imports the engine, the server or torch at import time (torch is only looked at,
-lazily, to name the GPU in a report), so the client runs against a remote server from any
-machine with httpx.
+lazily, to name the GPU in a report; the offline benchmarks import the engine when they run),
+so the client runs against a remote server from any machine with httpx.
 """

@@ -5,7 +5,10 @@
   `--tenants-mix`); see `sits.bench.serve`.
 - `qos`: starts `sits serve` with and without tenant QoS and runs the same tenant mix against
   both; see `sits.bench.qos_compare`.
-`throughput` (offline) and `latency` (fixed batch) join here as further subcommands.
+- `throughput`: offline throughput of `LLM.generate` (optionally beside transformers'
+  `generate_batch` on the same weights); see `sits.bench.offline`.
+- `latency`: TTFT and TPOT of one fixed batch, timed on the engine's steps; see
+  `sits.bench.latency`.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` with its subcommands to an argparse subparsers object; returns its parser."""
+    from sits.bench import latency, offline
     from sits.bench.qos_compare import add_qos_args, run_qos
     from sits.bench.serve import DESCRIPTION, add_serve_bench_args, run_serve_bench
 
-    p = subparsers.add_parser("bench", help="benchmarks (online serving, QoS comparison)")
-    sub = p.add_subparsers(dest="bench_command", required=True, metavar="{serve,qos}")
+    p = subparsers.add_parser(
+        "bench", help="benchmarks (online serving, QoS comparison, offline throughput, latency)"
+    )
+    sub = p.add_subparsers(
+        dest="bench_command", required=True, metavar="{serve,qos,throughput,latency}"
+    )
     serve = sub.add_parser(
         "serve",
         help="online serving benchmark against an OpenAI-compatible server",
@@ -37,4 +45,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_qos_args(qos)
     qos.set_defaults(func=run_qos)
+    throughput = sub.add_parser(
+        "throughput", help="offline throughput (LLM.generate)", description=offline.DESCRIPTION
+    )
+    offline.add_throughput_args(throughput)
+    throughput.set_defaults(func=offline.run_throughput)
+    latency_parser = sub.add_parser(
+        "latency", help="fixed-batch TTFT and TPOT", description=latency.DESCRIPTION
+    )
+    latency.add_latency_args(latency_parser)
+    latency_parser.set_defaults(func=latency.run_latency)
     return p

@@ -37,6 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         default=0,
         help="GiB of host memory for swapped-out KV blocks (0: recompute-only preemption)",
     )
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        help="weights: auto (the checkpoint's safetensors), safetensors, or dummy (seeded "
+        "random weights made on the device from config.json, for benchmarks)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,4 +63,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
         "cpu_offload_gb": args.cpu_offload_gb,
+        "load_format": args.load_format,
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -103,6 +104,32 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="store the input text itself in the audit log (else only its SHA-256)",
     )
     p.add_argument(
+        "--gpu-price-per-hour",
+        type=_gpu_price,
+        default=0.0,
+        metavar="PRICE",
+        help="price of one GPU-hour: exports each tenant's cost and cost per 1M tokens in "
+        "/metrics and on /dashboard (default 0 = off; GPU-seconds per tenant are always "
+        "exported)",
+    )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export one OpenTelemetry trace per request over OTLP/HTTP to URL (e.g. "
+        "http://localhost:4318/v1/traces; a URL without a path gets /v1/traces); tracing is "
+        "also on when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is set, "
+        "and the other OTEL_* variables (headers, timeout, service name) apply",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="fraction in [0, 1] of ordinary traces kept (default $OTEL_TRACES_SAMPLER_ARG, "
+        "else 1); traces of failed requests and of requests over their SLO are always kept",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -115,6 +142,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=run_serve)
     return p
+
+
+def _gpu_price(value: str) -> float:
+    """argparse type of --gpu-price-per-hour: a finite number >= 0."""
+    try:
+        price = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not (math.isfinite(price) and price >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r}")
+    return price
 
 
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -177,6 +215,18 @@ def audit_settings_arg(args: argparse.Namespace) -> Any:
     )
 
 
+def tracing_settings_arg(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The `TracingSettings` of --otlp-traces-endpoint / --trace-sample-ratio and the OTEL_*
+    variables (None: tracing off; see `sits.obs.tracing.resolve_tracing`).
+
+    Raises:
+        InvalidParameterError: a bad URL or ratio.
+    """
+    from sits.obs.tracing import resolve_tracing
+
+    return resolve_tracing(args.otlp_traces_endpoint, args.trace_sample_ratio, environ)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run `sits serve` with parsed flags.
 
@@ -200,6 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args, os.environ)
     try:
         tenants = load_tenants_arg(args.tenants, api_key)
+        tracing = tracing_settings_arg(args, os.environ)
     except SitsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -243,6 +294,8 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         audit=audit_settings_arg(args),
         admin_key=resolve_admin_key(args, os.environ),
+        tracing=tracing,
+        gpu_price_per_hour=args.gpu_price_per_hour,
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level)

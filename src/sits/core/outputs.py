@@ -63,6 +63,9 @@ class EngineCoreOutput:
         error: a message when the request failed inside the engine.
         first_scheduled_time: time.monotonic() when the request was first scheduled (sent
             once, on its first output).
+        prefill_chunks: (step end time.monotonic(), tokens) of each prompt chunk or recompute
+            computed since the request's previous output; only while the engine records them
+            (`EngineCore.record_request_chunks`, for tracing), else None.
     """
 
     request_id: str
@@ -74,6 +77,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None
+    prefill_chunks: list[tuple[float, int]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -90,6 +94,10 @@ class RequestMetrics:
         first_token_time: when its first output token was produced (TTFT = this - arrival).
         last_token_time: when its latest token was produced.
         finished_time: when it finished.
+        prefill_chunks: (time computed, tokens) of each prompt chunk or recompute of its first
+            sample, when the engine records them (tracing); else None.
+        detokenize_s: seconds the front end spent detokenizing it (all samples), when timed
+            (`OutputProcessor.time_detokenize`, for tracing); else 0.
     """
 
     arrival_time: float
@@ -97,6 +105,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    prefill_chunks: list[tuple[float, int]] | None = None
+    detokenize_s: float = 0.0
 
 
 @dataclass(slots=True)

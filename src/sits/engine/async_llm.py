@@ -38,7 +38,7 @@ from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
-from sits.engine.core import WaitingLoad
+from sits.engine.core import PrefillChunk, WaitingLoad
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.kvcache.host_pool import SwapStats
@@ -84,6 +84,9 @@ class EngineStats:
         num_host_blocks_used, num_host_blocks_total: host KV blocks (0 without a host tier).
         experts: the MoE experts' load, health and frozen flags as last read (every few
             steps, see the module docstring); None for a dense model.
+        busy_s: wall seconds of the steps that scheduled tokens, since start.
+        tenant_busy_s: tenant id -> its share of `busy_s` (each step split by scheduled
+            tokens; `EngineCore.tenant_busy_s`). Read-only.
         time_s: time.monotonic() when the snapshot was taken.
     """
 
@@ -107,6 +110,8 @@ class EngineStats:
     num_host_blocks_used: int = 0
     num_host_blocks_total: int = 0
     experts: ExpertStats | None = None
+    busy_s: float = 0.0
+    tenant_busy_s: Mapping[str, float] = field(default_factory=dict)
     time_s: float = 0.0
 
     def queue_delay_s(self, now_s: float) -> float:
@@ -305,6 +310,24 @@ class AsyncLLM:
 
         return await self._call_on_engine(restore)
 
+    async def prefill_chunks(self) -> list[PrefillChunk]:
+        """The latest prompt chunks the engine computed, oldest first (`EngineCore.prefill_chunks`,
+        a bounded ring; copied on the engine thread between steps).
+
+        Raises:
+            EngineDeadError: the engine loop is dead or hung.
+        """
+        return await self._call_on_engine(lambda: list(self.engine_core.prefill_chunks))
+
+    def record_timeline(self, enabled: bool = True) -> None:
+        """Stamp each request's prompt chunks and detokenization time on its
+        `RequestMetrics` (`prefill_chunks`, `detokenize_s`), for tracing; off by default.
+
+        Chunks computed before the call are not reported.
+        """
+        self.engine_core.record_request_chunks = enabled  # a flag the engine thread reads
+        self._processor.time_detokenize = enabled
+
     async def shutdown(self) -> None:
         """Stop the engine thread; unfinished requests get EngineDeadError."""
         self._stopping = True
@@ -481,5 +504,7 @@ class AsyncLLM:
             num_host_blocks_used=sched.host.num_used_blocks,
             num_host_blocks_total=sched.config.num_host_blocks,
             experts=self._expert_stats,
+            busy_s=core.busy_s,
+            tenant_busy_s=dict(core.tenant_busy_s),
             time_s=now_s,
         )

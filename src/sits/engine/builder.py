@@ -1,16 +1,21 @@
 """Builds the parts every engine front end needs: checkpoint facts, tokenizer, `EngineCore`.
 
+With `load_format="dummy"` the engine reads a dummy directory (`sits.models.dummy`) made from
+the checkpoint's config files, so the runner's loader makes seeded random weights on the
+device; with `skip_tokenizer_init` no tokenizer is loaded (`EngineParts.tokenizer` is None).
 Also maps the user-facing tenant config (`sits.tenancy`) to the scheduler's `TenantPolicy`s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from sits.config import EngineConfig
 from sits.engine.core import EngineCore
 from sits.engine.tokenizer import Tokenizer
+from sits.models.dummy import prepare_dummy_dir
 from sits.models.loader import resolve_model_path
 from sits.runner.model_info import ModelInfo, read_model_info
 from sits.sched.config import TenantPolicy, TenantTier
@@ -25,12 +30,12 @@ class EngineParts:
 
     Attributes:
         core: scheduler + runner.
-        tokenizer: the model's tokenizer.
+        tokenizer: the model's tokenizer; None with `skip_tokenizer_init`.
         info: checkpoint facts (max_model_len, eos ids, dtype, device).
     """
 
     core: EngineCore
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     info: ModelInfo
 
 
@@ -71,14 +76,19 @@ def build_engine(
         InvalidParameterError: the tenants' reservations do not fit the KV cache ("tenants").
     """
     model_dir = resolve_model_path(config.model)
-    tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_dir
     info = read_model_info(config, model_dir)
-    tokenizer = Tokenizer(tokenizer_dir)
+    tokenizer: Tokenizer | None = None
+    if not config.skip_tokenizer_init:
+        tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_dir
+        tokenizer = Tokenizer(tokenizer_dir)
+    if config.load_format == "dummy":
+        info = dataclasses.replace(info, model_dir=prepare_dummy_dir(model_dir, config.seed))
     core = EngineCore(config, info, tenant_policies)
     runner = core.runner
     logger.info(
-        "loaded %s on %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
+        "loaded %s%s on %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
         model_dir,
+        f" with dummy weights (seed {config.seed})" if config.load_format == "dummy" else "",
         info.device,
         str(info.dtype).removeprefix("torch."),
         runner.num_blocks,

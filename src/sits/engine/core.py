@@ -8,23 +8,69 @@ Load accounting for overload control (read by `AsyncLLM` for its stats): cumulat
 tokens computed and the wall time of the steps that computed them (`num_prefill_tokens`,
 `prefill_busy_s`; their ratio is a prefill rate), and `waiting_load()` (per tenant: oldest
 waiting arrival and prefill work still queued).
+
+Cost accounting: each step's wall time (schedule + run + update) is added to `busy_s` and split
+among the tenants of its scheduled requests in proportion to their scheduled tokens
+(`split_step_time`; a prefill token and a decode token weigh the same), accumulated in
+`tenant_busy_s`; so the tenants' shares always add up to `busy_s`. The prompt chunks (and
+recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in the bounded
+`prefill_chunks` ring (request timelines on the dashboard; read it on the engine's thread).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
-from sits.core.plan import ScheduledRequest
+from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
 from sits.sched.scheduler import Scheduler
 from sits.sched.tenants import TenantSchedStats
+
+MAX_PREFILL_CHUNK_LOG = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One prompt chunk (or recompute after preemption) of a request, computed in one step.
+
+    Attributes:
+        request_id: engine request id.
+        start_s, end_s: time.monotonic() seconds when the step's model run began and when the
+            step ended (the chunk shares the step with the rest of the batch).
+        start_position: position of the chunk's first token.
+        num_tokens: tokens computed.
+    """
+
+    request_id: str
+    start_s: float
+    end_s: float
+    start_position: int
+    num_tokens: int
+
+
+def split_step_time(tokens_by_tenant: Mapping[str, int], step_s: float) -> dict[str, float]:
+    """Each tenant's share of one step's wall time, in proportion to its scheduled tokens.
+
+    Args:
+        tokens_by_tenant: tenant id -> tokens scheduled for it in the step (> 0 in all).
+        step_s: the step's wall time in seconds.
+
+    Returns:
+        tenant id -> seconds; the values add up to `step_s` (up to float rounding).
+    """
+    total = sum(tokens_by_tenant.values())
+    if total <= 0:
+        return {}
+    return {tenant_id: step_s * n / total for tenant_id, n in tokens_by_tenant.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +105,14 @@ class EngineCore:
         num_prefill_tokens: prompt (or recomputed) tokens computed so far, cumulative.
         prefill_busy_s: wall seconds of the steps that computed prefill tokens, cumulative
             (the whole step counts, decodes batched with the prefill included).
+        busy_s: wall seconds of every step that scheduled tokens, cumulative.
+        tenant_busy_s: tenant id -> its share of `busy_s` (see the module docstring).
+        tenant_scheduled_tokens: tenant id -> tokens scheduled for it so far (prompt chunks,
+            recomputes and decodes).
+        prefill_chunks: the latest prefill chunks, oldest first (bounded ring).
+        record_request_chunks: when True (tracing), each request's prompt chunks (and
+            recomputes) travel on its next output as `EngineCoreOutput.prefill_chunks`:
+            (step end time.monotonic(), tokens) per chunk since its previous output.
     """
 
     def __init__(
@@ -87,8 +141,14 @@ class EngineCore:
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.prefill_busy_s = 0.0
+        self.busy_s = 0.0
+        self.tenant_busy_s: dict[str, float] = {}
+        self.tenant_scheduled_tokens: dict[str, int] = {}
+        self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
+        self.record_request_chunks = False
+        self._unreported_chunks: dict[str, list[tuple[float, int]]] = {}
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise at once if a request can never be served.
@@ -137,6 +197,7 @@ class EngineCore:
         for request_id in request_ids:
             self._first_scheduled_s.pop(request_id, None)
             self._unreported_first_scheduled.discard(request_id)
+            self._unreported_chunks.pop(request_id, None)
         return self.scheduler.finish_requests(request_ids, reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -180,6 +241,7 @@ class EngineCore:
         Returns:
             One output per request that produced tokens, logprobs or finished this step.
         """
+        start_s = time.monotonic()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         for sr in plan.scheduled:
@@ -187,20 +249,53 @@ class EngineCore:
                 self._first_scheduled_s[sr.request_id] = now
                 self._unreported_first_scheduled.add(sr.request_id)
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
-        num_prefill = sum(sr.num_tokens for sr in plan.scheduled if _is_prefill(sr))
+        prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
+        tokens_by_tenant = self._tokens_by_tenant(plan)  # before `update` finishes requests
         result = self.runner.run(plan)
         outputs = self.scheduler.update(plan, result)
+        end_s = time.monotonic()
         self.num_steps += 1
-        if num_prefill:
-            self.num_prefill_tokens += num_prefill
-            self.prefill_busy_s += time.monotonic() - now
+        if prefills:
+            self.num_prefill_tokens += sum(sr.num_tokens for sr in prefills)
+            self.prefill_busy_s += end_s - now
+            self.prefill_chunks.extend(
+                PrefillChunk(sr.request_id, now, end_s, sr.start_position, sr.num_tokens)
+                for sr in prefills
+            )
+            if self.record_request_chunks:
+                for sr in prefills:
+                    chunks = self._unreported_chunks.setdefault(sr.request_id, [])
+                    chunks.append((end_s, sr.num_tokens))
+        self._charge(tokens_by_tenant, end_s - start_s)
         for out in outputs:
             if out.request_id in self._unreported_first_scheduled:
                 self._unreported_first_scheduled.discard(out.request_id)
                 out.first_scheduled_time = self._first_scheduled_s[out.request_id]
+            if self._unreported_chunks:
+                out.prefill_chunks = self._unreported_chunks.pop(out.request_id, None)
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
         return outputs
+
+    def _tokens_by_tenant(self, plan: StepPlan) -> dict[str, int]:
+        """Tokens scheduled per tenant id in `plan`."""
+        tokens: dict[str, int] = {}
+        for sr in plan.scheduled:
+            request = self.scheduler.get_request(sr.request_id)
+            assert request is not None, sr.request_id  # scheduled requests are tracked
+            tokens[request.tenant_id] = tokens.get(request.tenant_id, 0) + sr.num_tokens
+        return tokens
+
+    def _charge(self, tokens_by_tenant: dict[str, int], step_s: float) -> None:
+        """Add one step's wall time to `busy_s` and the tenants' shares (see the module doc)."""
+        if not tokens_by_tenant:
+            return
+        self.busy_s += step_s
+        for tenant_id, share_s in split_step_time(tokens_by_tenant, step_s).items():
+            self.tenant_busy_s[tenant_id] = self.tenant_busy_s.get(tenant_id, 0.0) + share_s
+        for tenant_id, num_tokens in tokens_by_tenant.items():
+            count = self.tenant_scheduled_tokens.get(tenant_id, 0)
+            self.tenant_scheduled_tokens[tenant_id] = count + num_tokens
 
 
 def _is_prefill(sr: ScheduledRequest) -> bool:

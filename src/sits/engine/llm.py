@@ -2,6 +2,8 @@
 
 All prompts are queued at once and the engine steps until every one has finished, so they
 are batched continuously. Outputs come back in the order of the prompts.
+With `skip_tokenizer_init=True` prompts must be token ids ({"prompt_token_ids": [...]}),
+outputs carry token ids and empty text, and stop strings and `chat` are refused.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class LLM:
         self.info = parts.info
         self._counter = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer; None with `skip_tokenizer_init`."""
         return self.tokenizer
 
     @property
@@ -89,20 +92,27 @@ class LLM:
             sampling_params: as for `generate`.
             add_generation_prompt: end the rendered prompt with the assistant turn's header.
         """
+        tokenizer = self._require_tokenizer("messages")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         encoded = [
-            (None, self.tokenizer.apply_chat_template(c, add_generation_prompt))
-            for c in conversations
+            (None, tokenizer.apply_chat_template(c, add_generation_prompt)) for c in conversations
         ]
         return self._run(encoded, self._params_list(sampling_params, len(encoded)))
 
+    def _require_tokenizer(self, param: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidParameterError(
+                param, "the engine was built with skip_tokenizer_init: give prompt_token_ids"
+            )
+        return self.tokenizer
+
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._require_tokenizer("prompt").encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], self._require_tokenizer("prompt").encode(prompt["prompt"])
         raise InvalidParameterError("prompt", f"unsupported prompt type: {type(prompt).__name__}")
 
     @staticmethod
@@ -126,6 +136,11 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         batches = []
         for (prompt, ids), params in zip(encoded, params_list):
+            if params.stop and self.tokenizer is None:
+                raise InvalidParameterError(
+                    "stop",
+                    "stop strings need a tokenizer (the engine skips it): use stop_token_ids",
+                )
             params = _final_only(params)
             request_id = str(next(self._counter))
             children = make_engine_requests(

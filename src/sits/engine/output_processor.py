@@ -5,7 +5,8 @@ matches stop strings, joins the n samples of a request, converts logprobs, and s
 request's timing metrics. A stop-string match finishes the sample here; the caller must then
 finish the engine request (`stop_requests` of the returned batch).
 Invariant: in DELTA mode the concatenation of all text deltas of a sample equals its final text,
-and no delta ever holds part of a matched stop string.
+and no delta ever holds part of a matched stop string. Without a tokenizer (the engine's
+`skip_tokenizer_init`) nothing is detokenized: texts stay "" and logprobs carry no token text.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class _Sample:
     """Front-end state of one sample (one engine request)."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
@@ -84,11 +85,17 @@ class OutputProcessor:
     """Builds RequestOutputs for the requests it was told about.
 
     Args:
-        tokenizer: used for detokenization and logprob token texts.
+        tokenizer: used for detokenization and logprob token texts; None: token ids only.
+
+    Attributes:
+        time_detokenize: when True (tracing), the time spent applying each engine output
+            (detokenization, stop strings, logprob texts) is added to the request's
+            `RequestMetrics.detokenize_s`, and its prompt chunks to `prefill_chunks`.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
+        self.time_detokenize = False
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Sample]] = {}
 
@@ -103,8 +110,14 @@ class OutputProcessor:
         sink: Any = None,
     ) -> None:
         """Track a user request whose samples run as the engine requests `child_ids`."""
+        tokenizer = self.tokenizer
         samples = [
-            _Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
+            _Sample(
+                i,
+                None
+                if tokenizer is None
+                else IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
+            )
             for i in range(len(child_ids))
         ]
         if params.logprobs is not None:
@@ -166,7 +179,10 @@ class OutputProcessor:
             parent, sample = entry
             if sample.finish_reason is not None:
                 continue
-            self._apply(parent, sample, out, now, batch)
+            if self.time_detokenize:
+                self._apply_timed(parent, sample, out, now, batch)
+            else:
+                self._apply(parent, sample, out, now, batch)
             touched[parent.request_id] = parent
         for parent in touched.values():
             request_output = self._make_output(parent)
@@ -176,6 +192,22 @@ class OutputProcessor:
                 parent.metrics.finished_time = now
                 self.remove_request(parent.request_id)
         return batch
+
+    def _apply_timed(
+        self,
+        parent: _Parent,
+        sample: _Sample,
+        out: EngineCoreOutput,
+        now: float,
+        batch: ProcessedOutputs,
+    ) -> None:
+        """`_apply`, timed into `detokenize_s`; keeps the first sample's prompt chunks."""
+        metrics = parent.metrics
+        if out.prefill_chunks and sample.index == 0:
+            metrics.prefill_chunks = (metrics.prefill_chunks or []) + out.prefill_chunks
+        start_s = time.perf_counter()
+        self._apply(parent, sample, out, now, batch)
+        metrics.detokenize_s += time.perf_counter() - start_s
 
     def _apply(
         self,
@@ -205,21 +237,27 @@ class OutputProcessor:
                 out.finish_reason is FinishReason.STOP
                 and not parent.params.include_stop_str_in_output
             )
-            stop_str = sample.detokenizer.update(out.new_token_ids, stop_terminated)
+            detokenizer = sample.detokenizer
+            stop_str = None
+            if detokenizer is not None:
+                stop_str = detokenizer.update(out.new_token_ids, stop_terminated)
             if stop_str is not None:
                 sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop_str
                 if out.finish_reason is None:  # the engine still runs it: stop it there
                     batch.stop_requests.append((out.request_id, stop_str))
         if out.finish_reason is not None and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-        sample.text += sample.detokenizer.get_delta(finished=sample.finish_reason is not None)
+        if sample.detokenizer is not None:
+            sample.text += sample.detokenizer.get_delta(finished=sample.finish_reason is not None)
 
     def _convert(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
         if entry is None:
             return None
-        decode = self.tokenizer.decode_token
+        tokenizer = self.tokenizer
         return {
-            token_id: Logprob(logprob, rank, decode(token_id))
+            token_id: Logprob(
+                logprob, rank, None if tokenizer is None else tokenizer.decode_token(token_id)
+            )
             for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
         }
 

@@ -14,6 +14,10 @@ Invariants: every parameter element is written exactly once, or loading fails wi
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
 model is built on the meta device and materialised on the target device in the target dtype, so
 no full-size float32 copy is ever made.
+
+Weights come from safetensors files, from any (name, tensor) pairs (`load_weights_from`, e.g. a
+transformers model's state dict), or are dummy (`sits.models.dummy`: load_format "dummy", or
+"auto" on a dummy directory).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import glob
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,7 @@ from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.linear import FusedLinear
 from sits.layers.moe import MoeBackend, SparseMoeBlock
+from sits.models.dummy import init_dummy_weights, read_dummy_seed
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
 
@@ -84,13 +90,30 @@ def resolve_model_path(name_or_path: str) -> str:
         ) from err
 
 
+def build_meta_model(model_dir: str, moe_backend: MoeBackend | None = None) -> DecoderForCausalLM:
+    """The model of a checkpoint directory's config.json on the meta device (no memory).
+
+    Raises:
+        ModelNotFoundError: no config.json.
+        UnsupportedModelError: unsupported architecture or option.
+    """
+    hf_config = load_hf_config(model_dir)
+    model_class = get_model_class(hf_config)
+    config = model_class.config_from_hf(hf_config)
+    with torch.device("meta"):
+        return model_class(config, moe_backend)
+
+
 def load_model(
     model_dir: str,
     dtype: torch.dtype,
     device: torch.device | str,
     moe_backend: MoeBackend | None = None,
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DecoderForCausalLM:
-    """Build the model of a checkpoint directory and load its safetensors weights.
+    """Build the model of a checkpoint directory and load (or make) its weights.
 
     Args:
         model_dir: directory with config.json and model.safetensors (or sharded
@@ -98,6 +121,10 @@ def load_model(
         dtype: parameter dtype (checkpoint tensors are cast).
         device: where the parameters live.
         moe_backend: MoE compute backend for sparse layers (default: PyTorch reference).
+        load_format: "safetensors"; "dummy" (seeded random weights made on the device,
+            `sits.models.dummy`); "auto": dummy with the directory's seed when model_dir is a
+            dummy directory (`prepare_dummy_dir`), else safetensors.
+        seed: the dummy weights' seed (load_format "dummy" only).
 
     Returns:
         The model in eval mode, parameters without gradients.
@@ -107,14 +134,16 @@ def load_model(
         UnsupportedModelError: unsupported architecture or option, or weights that do not
             match the model (missing, unexpected, duplicated, wrong shape).
     """
-    hf_config = load_hf_config(model_dir)
-    model_class = get_model_class(hf_config)
-    config = model_class.config_from_hf(hf_config)
-    with torch.device("meta"):
-        model = model_class(config, moe_backend)
+    model = build_meta_model(model_dir, moe_backend)
     model = model.to(dtype).to_empty(device=torch.device(device))
     model.tie_weights()
-    load_weights(model, safetensors_files(model_dir))
+    dummy_seed = seed if load_format == "dummy" else None
+    if load_format == "auto":
+        dummy_seed = read_dummy_seed(model_dir)
+    if dummy_seed is not None:
+        init_dummy_weights(model, dummy_seed)
+    else:
+        load_weights(model, safetensors_files(model_dir))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -139,11 +168,34 @@ def safetensors_files(model_dir: str) -> list[str]:
         raise UnsupportedModelError(
             f"{model_dir!r} has only PyTorch .bin weights; sits loads safetensors only"
         )
-    raise ModelNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    raise ModelNotFoundError(
+        f"no *.safetensors weights in {model_dir!r} (--load-format dummy makes random weights)"
+    )
 
 
 def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
-    """Copy every checkpoint tensor into its (slice of a) parameter, checking full coverage.
+    """Copy every tensor of the safetensors `files` into its (slice of a) parameter, checking
+    full coverage (see `load_weights_from`).
+
+    Raises:
+        UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
+    """
+    load_weights_from(model, _safetensors_pairs(files))
+
+
+def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) of every tensor in the files, read one at a time."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy (name, tensor) pairs with Hugging Face names (checkpoint or transformers in-memory
+    names, e.g. a `state_dict().items()`) into our parameters, checking full coverage.
+
+    Tensors are cast to each parameter's dtype and device; pairs are consumed one at a time.
 
     Raises:
         UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
@@ -152,21 +204,19 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     loaded_numel = dict.fromkeys(params, 0)
     seen_regions: set[tuple[str, str]] = set()
     unexpected: list[str] = []
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if _is_skipped(model, name):
-                    continue
-                target = _target_of(model, name, params)
-                if target is None:
-                    unexpected.append(name)
-                    continue
-                region = (target.param_name, repr(target.index))
-                if region in seen_regions:
-                    raise UnsupportedModelError(f"checkpoint weight {name} is loaded twice")
-                seen_regions.add(region)
-                param = params[target.param_name]
-                loaded_numel[target.param_name] += _copy(param, target, f.get_tensor(name), name)
+    for name, tensor in weights:
+        if _is_skipped(model, name):
+            continue
+        target = _target_of(model, name, params)
+        if target is None:
+            unexpected.append(name)
+            continue
+        region = (target.param_name, repr(target.index))
+        if region in seen_regions:
+            raise UnsupportedModelError(f"checkpoint weight {name} is loaded twice")
+        seen_regions.add(region)
+        param = params[target.param_name]
+        loaded_numel[target.param_name] += _copy(param, target, tensor, name)
     repeated = [n for n, p in params.items() if loaded_numel[n] > p.numel()]
     if repeated:
         raise UnsupportedModelError(
@@ -186,6 +236,21 @@ def _names(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
     more = len(names) - _MAX_NAMES_IN_ERROR
     return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
+
+
+def checkpoint_target(
+    model: DecoderForCausalLM, name: str
+) -> tuple[str, tuple[int | slice, ...]] | None:
+    """Where a checkpoint (Hugging Face) weight goes in `model`: (our parameter name, index
+    into it; () = the whole parameter), or None for a skipped or unknown name.
+
+    E.g. "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight",
+    (slice(q_rows, q_rows + kv_rows),)). Works on a meta-device model.
+    """
+    if _is_skipped(model, name):
+        return None
+    target = _target_of(model, name, dict(model.named_parameters()))
+    return None if target is None else (target.param_name, target.index)
 
 
 def _is_skipped(model: DecoderForCausalLM, name: str) -> bool:

@@ -68,6 +68,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             moe_backend=select_moe_backend(self.device),
+            load_format=config.load_format,
+            seed=config.seed,
         )
         self.model.eval()
         arch = self.model.arch

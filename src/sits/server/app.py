@@ -4,8 +4,10 @@ The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics 
 `app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor
 and the overload watcher and, on exit, stops them, (optionally) shuts the engine down and then
 closes the audit log. `QosHeadersMiddleware` puts the
-overload state and the tenant's rate-limit headers on every response. Nothing is global, so one
-process may build several apps.
+overload state and the tenant's rate-limit headers on every response; with tracing on,
+`TracingMiddleware` makes one trace per request (`sits.server.tracing`). `GET /dashboard` serves
+the live dashboard (`sits.server.dashboard`). Nothing is global, so one process may build
+several apps.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from fastapi import FastAPI
 import sits
 from sits.server.admin import admin_router
 from sits.server.context import ServerContext, ServerSettings
+from sits.server.dashboard import dashboard_router
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos_headers import QosHeadersMiddleware
 from sits.server.routes import api_router, ops_router
+from sits.server.tracing import TracingMiddleware
 
 
 def build_app(
@@ -66,6 +70,8 @@ def build_app(
             finally:
                 if ctx.audit is not None:
                     await ctx.audit.close()  # after the drain: every job has ended
+                if ctx.tracer is not None:
+                    await ctx.tracer.shutdown()  # flushes the kept spans
 
     app = FastAPI(
         title="sits",
@@ -76,7 +82,10 @@ def build_app(
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
+    if ctx.tracer is not None:  # outermost: sees every status and ends after the stream
+        app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
     app.include_router(ops_router)
     app.include_router(api_router)
     app.include_router(admin_router)
+    app.include_router(dashboard_router)
     return app

@@ -7,11 +7,14 @@ from `request.app.state.ctx`; nothing is global.
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
+from sits.obs.tracing import TracingSettings
 from sits.server.audit_sink import AuditSettings, ServerAudit
+from sits.server.cost_metrics import CostCollector
 from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
 from sits.server.jobs import EnginePrompt, GenerationJob
@@ -20,6 +23,7 @@ from sits.server.metrics import ServerMetrics
 from sits.server.overload_watch import OverloadWatcher
 from sits.server.qos import QosSettings, ServerQos
 from sits.server.tenant_metrics import QosCollector, TenantMetrics
+from sits.server.tracing import RequestTracer
 from sits.tenancy import TenantConfig, TenantsConfig
 
 
@@ -43,9 +47,14 @@ class ServerSettings:
         audit: the audit log options (`--audit-log`); None = no audit log.
         admin_key: the bearer key of the /v1/admin routes (`--admin-key`); None = those routes
             answer 404.
+        tracing: OpenTelemetry tracing (`--otlp-traces-endpoint`, `--trace-sample-ratio`);
+            None = off.
+        gpu_price_per_hour: price of one GPU-hour (`--gpu-price-per-hour`) for the cost
+            metrics (`sits.server.cost_metrics`); 0 = no cost metrics.
 
     Raises:
-        InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml).
+        InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), or
+            a negative or non-finite GPU price.
     """
 
     served_model_name: str | None = None
@@ -60,8 +69,14 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False
     audit: AuditSettings | None = None
     admin_key: str | None = None
+    tracing: TracingSettings | None = None
+    gpu_price_per_hour: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.gpu_price_per_hour) and self.gpu_price_per_hour >= 0):
+            raise InvalidParameterError(
+                "gpu_price_per_hour", f"must be a number >= 0, got {self.gpu_price_per_hour}"
+            )
         if self.api_key is not None and self.tenants is not None:
             raise InvalidParameterError(
                 "api_key",
@@ -86,7 +101,9 @@ class ServerContext:
         qos: tenants, rate limits, circuit breaker and overload state.
         overload_watcher: the task feeding `qos` with the engine's load (started by the app).
         metrics: the server's metrics (per tenant too).
+        cost: the cost metrics (GPU-seconds per tenant, cost per 1M tokens).
         audit: the audit log (opened by the app's lifespan), or None.
+        tracer: the request tracer (`sits.server.tracing`), or None when tracing is off.
     """
 
     def __init__(
@@ -113,9 +130,19 @@ class ServerContext:
             config = getattr(engine, "config", None)
             model_dir = settings.model_root or getattr(config, "model", None)
             self.audit = ServerAudit(settings.audit, self.model_name, model_dir)
+        self.tracer: RequestTracer | None = None
+        if settings.tracing is not None:
+            self.tracer = RequestTracer(settings.tracing, self.model_name)
+            record_timeline = getattr(engine, "record_timeline", None)
+            if record_timeline is not None:  # prefill chunks and detokenize time for the spans
+                record_timeline(True)
         self.metrics.registry.register(
             QosCollector(self.qos, engine.stats, self.overload_watcher.snapshot, self.model_name)
         )
+        self.cost = CostCollector(
+            engine.stats, tenants, tenant_metrics, self.model_name, settings.gpu_price_per_hour
+        )
+        self.metrics.registry.register(self.cost)
 
     @property
     def tokenizer(self) -> ServerTokenizer:

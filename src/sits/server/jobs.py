@@ -60,6 +60,22 @@ class OutputObserver:
         """Called once when the request ends without a finished output (abort, failure)."""
 
 
+class _ObserverPair(OutputObserver):
+    """Hands every call to two observers, in order."""
+
+    def __init__(self, first: OutputObserver, second: OutputObserver) -> None:
+        self.first = first
+        self.second = second
+
+    def on_output(self, output: RequestOutput) -> None:
+        self.first.on_output(output)
+        self.second.on_output(output)
+
+    def on_abort(self) -> None:
+        self.first.on_abort()
+        self.second.on_abort()
+
+
 @dataclass(slots=True)
 class _PromptDone:
     index: int
@@ -114,6 +130,15 @@ class GenerationJob:
         self._num_open = len(prompts)
         self._failure: BaseException | None = None
         self._closed = False
+
+    def add_observer(self, make_observer: Callable[[EnginePrompt], OutputObserver]) -> None:
+        """Give each prompt a further observer built by `make_observer` (tracing).
+
+        Call before `start()`.
+        """
+        assert not self._pumps, "observers are added before the job starts"
+        first = self._make_observer
+        self._make_observer = lambda prompt: _ObserverPair(first(prompt), make_observer(prompt))
 
     def start(self) -> None:
         """Start one pump task per prompt."""

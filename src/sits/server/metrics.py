@@ -18,6 +18,12 @@ models): `sits:moe_expert_tokens_total{layer,expert}`, `sits:moe_expert_anomalou
 the model's layers x experts.
 The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
 (`sits.server.tenant_metrics`), when the recorder is given the tenant.
+Also as vLLM: per request, prefill time (first token - first scheduled), decode time (last
+token - first token), inference time (last token - first scheduled) and its prompt and
+generation token counts as histograms. KV cache per tier: `sits:kv_tier_blocks_used{tier}` and
+`sits:kv_tier_blocks_total{tier}` (tier: device, host). Each ended engine request that produced
+an output also leaves its timings in `ServerMetrics.timelines` (a bounded ring; the
+dashboard's request timelines and latency percentiles).
 Times are `time.monotonic()` seconds (the engine's timestamps except for inter-token latency).
 """
 
@@ -34,6 +40,7 @@ from sits.core.outputs import RequestOutput
 from sits.server.engine_client import EngineClient
 from sits.server.jobs import EnginePrompt, OutputObserver
 from sits.server.tenant_metrics import TenantMetrics
+from sits.server.timeline import RequestTimeline, TimelineBuffer
 from sits.tenancy import TenantConfig
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,6 +57,7 @@ _E2E_BUCKETS_S = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+_TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 
 
 class _EngineStatsCollector(Collector):
@@ -100,6 +108,7 @@ class _EngineStatsCollector(Collector):
             counter.add_metric([self.model_name], float(value))
             yield counter
         yield from _host_tier_families(stats, self.model_name)
+        yield from _kv_tier_families(stats, self.model_name)
         experts = getattr(stats, "experts", None)
         if experts is not None:
             yield from _expert_families(experts, self.model_name)
@@ -108,18 +117,39 @@ class _EngineStatsCollector(Collector):
 def _host_tier_families(
     stats, model_name: str
 ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """Host KV tier metrics: swap traffic, recomputed prefill tokens, host blocks in use."""
+    """Host KV tier metrics: swap traffic, recomputed prefill tokens, host prefix cache hits
+    and copies, host blocks in use."""
     swap = getattr(stats, "swap", None)
     if swap is None:
         return
     counters = (
-        ("sits:kv_swap_out_blocks", "KV blocks copied device -> host.", swap.num_swap_out_blocks),
-        ("sits:kv_swap_in_blocks", "KV blocks copied host -> device.", swap.num_swap_in_blocks),
-        ("sits:kv_swapped_bytes", "KV bytes copied between tiers.", swap.num_swapped_bytes),
+        ("sits:kv_swap_out_blocks", "Swapped KV blocks copied out.", swap.num_swap_out_blocks),
+        ("sits:kv_swap_in_blocks", "Swapped KV blocks copied back.", swap.num_swap_in_blocks),
+        ("sits:kv_swapped_bytes", "KV bytes of swap preemption.", swap.num_swapped_bytes),
         (
             "sits:recomputed_prefill_tokens",
             "Computed tokens dropped by recompute preemption (prefilled again later).",
             swap.num_recomputed_tokens,
+        ),
+        (
+            "sits:host_prefix_cache_hits",
+            "Prompt tokens served from the host tier's prefix cache (copied in, not recomputed).",
+            swap.num_host_hit_tokens,
+        ),
+        (
+            "sits:host_prefix_cache_stored_blocks",
+            "Prefix blocks evicted from the device and copied to the host tier.",
+            swap.num_host_stored_blocks,
+        ),
+        (
+            "sits:host_prefix_cache_loaded_blocks",
+            "Host-tier prefix blocks copied back to the device on a hit.",
+            swap.num_host_loaded_blocks,
+        ),
+        (
+            "sits:host_prefix_cache_bytes",
+            "KV bytes of host prefix cache copies, both directions.",
+            swap.num_host_cache_bytes,
         ),
     )
     for name, doc, value in counters:
@@ -133,6 +163,28 @@ def _host_tier_families(
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
         gauge.add_metric([model_name], float(value))
         yield gauge
+
+
+def _kv_tier_families(stats, model_name: str) -> Iterator[GaugeMetricFamily]:
+    """KV blocks used and in all per tier: device (the paged cache) and host (0 without one)."""
+    device_used = stats.num_total_blocks - stats.num_free_blocks
+    tiers = (
+        ("device", device_used, stats.num_total_blocks),
+        (
+            "host",
+            getattr(stats, "num_host_blocks_used", 0),
+            getattr(stats, "num_host_blocks_total", 0),
+        ),
+    )
+    labels = ["model_name", "tier"]
+    used = GaugeMetricFamily(
+        "sits:kv_tier_blocks_used", "KV blocks in use per tier.", labels=labels
+    )
+    total = GaugeMetricFamily("sits:kv_tier_blocks_total", "KV blocks per tier.", labels=labels)
+    for tier, num_used, num_total in tiers:
+        used.add_metric([model_name, tier], float(num_used))
+        total.add_metric([model_name, tier], float(num_total))
+    yield from (used, total)
 
 
 def _expert_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -180,11 +232,13 @@ class ServerMetrics:
 
     Attributes:
         tenants: the per-tenant metrics on the same registry, once the server set them.
+        timelines: the timings of the latest ended engine requests.
     """
 
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.model_name = model_name
         self.tenants: TenantMetrics | None = None
+        self.timelines = TimelineBuffer()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(engine, model_name))
         labels = ["model_name"]
@@ -237,6 +291,42 @@ class ServerMetrics:
             registry=reg,
         )
 
+        self.prefill_time = Histogram(
+            "sits:request_prefill_time_seconds",
+            "Time from first scheduling to the first token, per request.",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=reg,
+        )
+        self.decode_time = Histogram(
+            "sits:request_decode_time_seconds",
+            "Time from the first to the last token, per request.",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=reg,
+        )
+        self.inference_time = Histogram(
+            "sits:request_inference_time_seconds",
+            "Time from first scheduling to the last token, per request.",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=reg,
+        )
+        self.request_prompt_tokens = Histogram(
+            "sits:request_prompt_tokens",
+            "Prompt tokens per request.",
+            labels,
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        )
+        self.request_generation_tokens = Histogram(
+            "sits:request_generation_tokens",
+            "Generated tokens per request (all samples).",
+            labels,
+            buckets=_TOKEN_COUNT_BUCKETS,
+            registry=reg,
+        )
+
     def recorder(self, prompt: EnginePrompt, tenant: TenantConfig | None = None) -> RequestRecorder:
         """An observer recording one engine request's outputs (for `tenant` too, if given)."""
         return RequestRecorder(self, len(prompt.token_ids), prompt.params.n, tenant)
@@ -266,10 +356,14 @@ class RequestRecorder(OutputObserver):
         self.last_token_time: float | None = None
         self.tokens_by_sample: dict[int, int] = {}
         self.finished_samples: set[int] = set()
+        self.finish_reason: str | None = None
+        self.last_output: RequestOutput | None = None
+        self.tpot_s: float | None = None
 
     def on_output(self, output: RequestOutput) -> None:
         label = self.m.model_name
         metrics = output.metrics
+        self.last_output = output
         if not self.saw_output:
             self.saw_output = True
             self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
@@ -286,6 +380,7 @@ class RequestRecorder(OutputObserver):
             if sample.finish_reason is not None and sample.index not in self.finished_samples:
                 self.finished_samples.add(sample.index)
                 self.m.request_success.labels(label, sample.finish_reason).inc()
+                self.finish_reason = self.finish_reason or sample.finish_reason
         if num_new:
             self.m.generation_tokens.labels(label).inc(num_new)
             if self.t is not None:
@@ -294,6 +389,8 @@ class RequestRecorder(OutputObserver):
         if output.finished and metrics is not None and metrics.finished_time is not None:
             self.m.e2e.labels(label).observe(max(metrics.finished_time - metrics.arrival_time, 0))
             self._observe_tpot(output)
+            self._observe_phases(output)
+            self._record_end(metrics.finished_time, self.finish_reason or "stop")
 
     def _observe_token_times(self, output: RequestOutput) -> None:
         metrics = output.metrics
@@ -318,15 +415,68 @@ class RequestRecorder(OutputObserver):
         if metrics.first_token_time is None or metrics.last_token_time is None:
             return
         span_s = metrics.last_token_time - metrics.first_token_time
+        tpots_s = []
         for count in self.tokens_by_sample.values():
             if count > 1:
                 tpot_s = max(span_s, 0.0) / (count - 1)
+                tpots_s.append(tpot_s)
                 self.m.tpot.labels(self.m.model_name).observe(tpot_s)
                 if self.t is not None:
                     self.t.observe_tpot(self.tenant, tpot_s)
+        if tpots_s:
+            self.tpot_s = sum(tpots_s) / len(tpots_s)
+
+    def _observe_phases(self, output: RequestOutput) -> None:
+        """Prefill, decode and inference time of a finished request (when it has the stamps)."""
+        metrics = output.metrics
+        assert metrics is not None
+        label = self.m.model_name
+        scheduled, first, last = (
+            metrics.first_scheduled_time,
+            metrics.first_token_time,
+            metrics.last_token_time,
+        )
+        if scheduled is not None and first is not None:
+            self.m.prefill_time.labels(label).observe(max(first - scheduled, 0.0))
+        if first is not None and last is not None:
+            self.m.decode_time.labels(label).observe(max(last - first, 0.0))
+        if scheduled is not None and last is not None:
+            self.m.inference_time.labels(label).observe(max(last - scheduled, 0.0))
+
+    def _record_end(self, finished_s: float, finish_reason: str) -> None:
+        """Per-request token histograms and the request's timeline (once it produced output)."""
+        label = self.m.model_name
+        num_output_tokens = sum(self.tokens_by_sample.values())
+        self.m.request_prompt_tokens.labels(label).observe(self.num_prompt_tokens)
+        self.m.request_generation_tokens.labels(label).observe(num_output_tokens)
+        output = self.last_output
+        if output is None or output.metrics is None:
+            return
+        metrics = output.metrics
+        self.m.timelines.add(
+            RequestTimeline(
+                request_id=output.request_id,
+                tenant_id=self.tenant.id if self.tenant is not None else "default",
+                num_samples=self.num_samples,
+                arrival_s=metrics.arrival_time,
+                first_scheduled_s=metrics.first_scheduled_time,
+                first_token_s=metrics.first_token_time,
+                last_token_s=metrics.last_token_time,
+                finished_s=finished_s,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_cached_tokens=output.num_cached_tokens,
+                num_output_tokens=num_output_tokens,
+                tpot_s=self.tpot_s,
+                finish_reason=finish_reason,
+            )
+        )
 
     def on_abort(self) -> None:
+        aborted = False
         for index in range(self.num_samples):
             if index not in self.finished_samples:
+                aborted = True
                 self.finished_samples.add(index)
                 self.m.request_success.labels(self.m.model_name, "abort").inc()
+        if aborted:
+            self._record_end(time.monotonic(), "abort")

@@ -46,6 +46,7 @@ from sits.server.sse import (
     run_until_disconnect,
     sse_event,
 )
+from sits.server.tracing import request_trace, trace_admission
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)
@@ -217,19 +218,23 @@ def start_request(
         ServerError, SitsError: refusals (503, 429, 400, 404), counted per tenant.
     """
     tenant = request_tenant(raw)
+    trace = request_trace(raw)
     try:
-        ticket = ctx.lifecycle.admit()
-        try:
-            job = prepare(tenant)
-            prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
-            max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)
-            qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens)
-        except BaseException:
-            ticket.release()
-            raise
+        with trace_admission(trace):
+            ticket = ctx.lifecycle.admit()
+            try:
+                job = prepare(tenant)
+                prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
+                max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)
+                qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens)
+            except BaseException:
+                ticket.release()
+                raise
     except Exception as exc:
         ctx.qos.metrics.count_outcome(tenant.id, outcome_of(exc).value)
         raise
+    if trace is not None:
+        trace.watch(job)
     return ticket, qos, job
 
 
@@ -270,6 +275,7 @@ async def serve_job(
     """
     handed_off = False
     outcome = Outcome.ABORT
+    trace = request_trace(raw)
 
     async def cleanup(final: Outcome) -> None:
         try:
@@ -278,6 +284,8 @@ async def serve_job(
             ctx.lifecycle.remove_job(job)
             ticket.release()
             qos.finish(final, job.used_tokens)
+            if trace is not None:
+                trace.set_outcome(final)
 
     try:
         ctx.lifecycle.add_job(job)

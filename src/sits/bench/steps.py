@@ -1,0 +1,53 @@
+"""Records what each engine step computed, for the offline benchmarks' rooflines.
+
+`StepRecorder.attach(core)` wraps the engine core's `runner.run` on that one object (the
+benchmark's own engine, never shared), so each `StepPlan` the scheduler made is summarised as a
+`StepShape` (tokens, sequences, sampled rows, keys read, attention pairs) before it runs; the
+runner's behaviour and results are unchanged. Step durations are taken by the benchmarks
+around `EngineCore.step()` (latency) or over the whole run (throughput).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sits.bench.roofline import StepShape, step_shape
+from sits.core.plan import StepPlan
+
+
+def shape_of_plan(plan: StepPlan) -> StepShape:
+    """The StepShape of a plan: its chunks and the requests that sample this step."""
+    return step_shape(
+        ((sr.start_position, sr.num_tokens) for sr in plan.scheduled),
+        num_sampled=sum(1 for sr in plan.scheduled if sr.sample),
+    )
+
+
+class StepRecorder:
+    """Collects the StepShape of every non-empty step an engine core runs.
+
+    Attributes:
+        shapes: one StepShape per non-empty step, in order.
+    """
+
+    def __init__(self) -> None:
+        self.shapes: list[StepShape] = []
+
+    def attach(self, core: Any) -> StepRecorder:
+        """Wrap `core.runner.run` (an `EngineCore`) so every plan is recorded; returns self."""
+        runner = core.runner
+        run: Callable[[StepPlan], Any] = runner.run
+
+        def recording_run(plan: StepPlan) -> Any:
+            if plan.scheduled:
+                self.shapes.append(shape_of_plan(plan))
+            return run(plan)
+
+        runner.run = recording_run
+        return self
+
+    def take(self) -> list[StepShape]:
+        """The shapes recorded since the last take (and forget them)."""
+        shapes, self.shapes = self.shapes, []
+        return shapes
