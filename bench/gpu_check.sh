@@ -7,6 +7,7 @@
 #   tests    all gpu-marked tests (kernels, sampling, models, layers, runner)
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
+#   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   targets  the issue-4 target workloads, with the transformers peer (long: ~8 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,9 +32,14 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 sits() { python3 -m sits.cli.main "$@"; }
 
 if has tests; then
-  run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -x tests/kernels
+  run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels
   run model_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-    tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py
+    tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py \
+    tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py
+fi
+if has profile; then
+  run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
+    --batch-sizes 1 10 64 --prefill-tokens 2048
 fi
 if has micro; then
   run attention_bench python3 bench/kernels/attention_bench.py
@@ -50,14 +56,16 @@ if has e2e; then
 fi
 if has targets; then
   run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
-    --input-len 512 --output-len 128 --num-prompts 256 --peer transformers \
-    --output-json "$OUT_DIR/target_qwen3_offline.json"
+    --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
+    --peer transformers --output-json "$OUT_DIR/target_qwen3_offline.json"
   run target_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
-    --input-len 2048 --output-len 1024 --num-iters 1 --output-json "$OUT_DIR/target_qwen3_b10.json"
+    --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
+    --output-json "$OUT_DIR/target_qwen3_b10.json"
   run target_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
-    --input-len 512 --output-len 256 --output-json "$OUT_DIR/target_qwen3_b1.json"
+    --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 \
+    --output-json "$OUT_DIR/target_qwen3_b1.json"
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
-    --input-len 1000 --output-len 1000 --num-prompts 1000 \
+    --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
     --output-json "$OUT_DIR/target_llama8b.json"
 fi
 

@@ -145,7 +145,10 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
         amax over head_dim / 127 (0 for an all-zero head).
     """
     x = x.float()
-    scale = x.abs().amax(dim=-1) / INT8_MAX  # [..., num_kv_heads]
+    amax = x.abs().amax(dim=-1)  # [..., num_kv_heads]
+    # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its
+    # reciprocal, one ulp off the IEEE quotient the kernels compute.
+    scale = amax / torch.full_like(amax, INT8_MAX)
     q = torch.round(x / _safe(scale)[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 

@@ -322,7 +322,7 @@ def _align_chunked(
         BLOCK_M=block_m,
         EXPERTS=experts_p2,
         SCAN_ROWS=max(1, min(64, 4096 // experts_p2)),
-        FILL=1024,
+        FILL=128,  # the block-expert search is [FILL, EXPERTS] in one program: keep it small
         num_warps=8,
     )  # fmt: skip
     align_place_kernel[(num_chunks,)](
