@@ -17,7 +17,6 @@ mkdir -p "$OUT_DIR"
 SECTIONS="${*:-tests micro e2e}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null || true
 
 status=()
 run() {  # run NAME CMD...: run a step, keep its log, record its exit code and last line
