@@ -8,7 +8,10 @@
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
-#   targets  the issue-4 target workloads, with the transformers peer (long: ~8 min)
+#   targets  the issue-4 target workloads, with the transformers peer (~7 min)
+#   kv       the issue-7 targets: prefix-cache TTFT, fp8 vs bf16 KV throughput, host tier
+#   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
+#            server's wheels: carry .whl, see bench/README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -66,6 +69,44 @@ if has targets; then
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
     --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
     --output-json "$OUT_DIR/target_llama8b.json"
+fi
+
+if has kv; then
+  run kv_prefix_ttft python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
+    --prefix-len 2000 --suffix-len 100 --num-requests 200 --result-json "$OUT_DIR/kv_prefix.json"
+  for kv in auto fp8; do
+    run "kv_throughput_$kv" sits bench throughput --random-weights qwen3-30b-a3b \
+      --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
+      --kv-cache-dtype "$kv" --output-json "$OUT_DIR/kv_throughput_$kv.json"
+  done
+  shape_dir=$(python3 -c "from sits.bench.shapes import write_shape_dir as w; print(w('qwen3-30b-a3b'))")
+  run kv_host_tier python3 bench/kv_tiers.py --model "$shape_dir" --load-format dummy \
+    --dtype bfloat16 --kv-cache-memory-bytes 5153960755 --input-len 768 --output-len 256 \
+    --result-json "$OUT_DIR/kv_tiers.json"
+fi
+if has qos; then
+  if ! python3 -c "import fastapi, uvicorn, pydantic, opentelemetry.sdk" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  # Qwen3-30B-A3B shape with the demo tokenizer's vocabulary, so every token has text.
+  qos_dir=$(python3 - <<'PY'
+import json, os, shutil
+from sits.bench.shapes import write_shape_dir
+src, dst = write_shape_dir("qwen3-30b-a3b"), "/tmp/sits-qos-shape"
+shutil.rmtree(dst, ignore_errors=True); shutil.copytree(src, dst)
+cfg = json.load(open(os.path.join(dst, "config.json"))); cfg["vocab_size"] = 8192
+json.dump(cfg, open(os.path.join(dst, "config.json"), "w")); print(dst)
+PY
+)
+  serve_args="--load-format dummy --tokenizer src/sits/demo_model --dtype bfloat16"
+  run qos_capacity sits bench qos --model "$qos_dir" --modes fcfs --serve-args "$serve_args" \
+    --tenants-mix bench/qos/capacity.toml --ignore-eos --result-json "$OUT_DIR/qos_capacity.json"
+  run qos_calibrate python3 bench/qos/calibrate.py "$OUT_DIR/qos_capacity.json" \
+    bench/qos/mix.toml "$OUT_DIR/qos_mix.toml"
+  run qos_target sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
+    --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" --ignore-eos \
+    --result-json "$OUT_DIR/qos.json"
 fi
 
 echo
