@@ -47,6 +47,10 @@ class EngineConfig:
             for benchmarks of real shapes without downloads (`sits.models.dummy`).
         skip_tokenizer_init: load no tokenizer: prompts must be token ids and outputs carry
             token ids only (empty text); stop strings are refused.
+        num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
+            extra memory). With N > 0 an expert frozen by the health check is reloaded from
+            the checkpoint into a spare slot, routed there and unfrozen automatically
+            (`sits.layers.expert_slots`); ignored for dense models.
     """
 
     model: str
@@ -67,6 +71,7 @@ class EngineConfig:
     cpu_offload_gb: float = 0
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    num_spare_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -90,6 +95,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"{name} must be >= 1")
+        if self.num_spare_experts < 0:
+            raise InvalidParameterError(
+                "num_spare_experts", f"num_spare_experts must be >= 0, got {self.num_spare_experts}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:

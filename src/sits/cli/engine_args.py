@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         help="weights: auto (the checkpoint's safetensors), safetensors, or dummy (seeded "
         "random weights made on the device from config.json, for benchmarks)",
     )
+    parser.add_argument(
+        "--num-spare-experts",
+        type=int,
+        default=0,
+        help="spare expert weight slots per MoE layer: an expert frozen by the health check is "
+        "reloaded from the checkpoint into one and unfrozen automatically (0: none)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,4 +71,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "cpu_offload_gb": args.cpu_offload_gb,
         "load_format": args.load_format,
+        "num_spare_experts": args.num_spare_experts,
     }

@@ -16,7 +16,10 @@ only work it defers waits (nothing running), the loop waits on the inbox instead
 MoE experts (`sits.layers.moe_stats`): the engine thread copies the device-side expert
 counters to the host every `_EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle and on
 request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
-on the engine thread between steps, so requests in flight continue.
+on the engine thread between steps, so requests in flight continue. With spare expert slots
+(`EngineConfig.num_spare_experts`) or `restore_frozen_experts`, that periodic read also
+reloads each expert the health check froze from the checkpoint (into a spare slot when there
+is one) and unfreezes it (`ExpertMonitor.read` with `auto_restore`).
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ class AsyncLLM:
             MoE expert; 0 disables automatic freezing.
         restore_frozen_experts: reload an expert frozen by the health check from the
             checkpoint and unfreeze it, when the engine thread next reads the expert stats
-            (the disk read runs on the engine thread, between steps).
+            (the disk read runs on the engine thread, between steps). Always on with spare
+            expert slots (`config.num_spare_experts` > 0), which the reload then uses.
     """
 
     def __init__(
@@ -165,10 +169,14 @@ class AsyncLLM:
         self._stats = EngineStats()
         self._borrowing_tiers = _ALL_TIERS
         self._load_time_s = -1.0
-        monitor = ExpertMonitor.of_model(parts.core.runner.model, expert_freeze_after)
+        monitor = ExpertMonitor.of_model(
+            parts.core.runner.model,
+            expert_freeze_after,
+            model_dir=parts.info.model_dir,
+            auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
+        )
         self._experts = monitor if monitor.blocks else None
         self._expert_stats: ExpertStats | None = None
-        self._restore_frozen_experts = restore_frozen_experts
         self._expert_read_step = -1
         self._read_experts()
         self._update_stats(force=True)
@@ -460,14 +468,7 @@ class AsyncLLM:
             return None
         num_steps = self.engine_core.num_steps
         self._expert_read_step = num_steps
-        stats = self._experts.read(num_steps)
-        if self._restore_frozen_experts and self._experts.newly_frozen:
-            for layer_id, expert_id in self._experts.newly_frozen:
-                try:
-                    self._experts.restore(layer_id, expert_id, self.info.model_dir)
-                except SitsError:
-                    logger.exception("cannot restore MoE expert %d.%d", layer_id, expert_id)
-            stats = self._experts.read(num_steps)
+        stats = self._experts.read(num_steps)  # restores newly frozen experts (auto_restore)
         self._expert_stats = stats
         return stats
 

@@ -4,6 +4,10 @@ All prompts are queued at once and the engine steps until every one has finished
 are batched continuously. Outputs come back in the order of the prompts.
 With `skip_tokenizer_init=True` prompts must be token ids ({"prompt_token_ids": [...]}),
 outputs carry token ids and empty text, and stop strings and `chat` are refused.
+With spare expert slots (`num_spare_experts` > 0) the MoE experts are read every
+`EXPERT_READ_PERIOD_STEPS` steps and after each call (`ExpertMonitor.read` with
+`auto_restore`): an expert the health check froze is reloaded into a spare slot between
+steps and unfrozen, as in `AsyncLLM`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from sits.engine.builder import build_engine
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.engine.tokenizer import Tokenizer
+from sits.layers.moe_stats import ExpertMonitor
 
 PromptType = str | dict[str, Any]
+EXPERT_READ_PERIOD_STEPS = 8
 
 
 class LLM:
@@ -33,6 +39,10 @@ class LLM:
         model: checkpoint directory or Hugging Face id.
         **kwargs: any `EngineConfig` field (dtype, device, seed, max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, kv_cache_memory_bytes, enable_prefix_caching...).
+
+    Attributes:
+        experts: the MoE experts' monitor with spare expert slots (restores frozen experts),
+            else None.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError: the model cannot be loaded.
@@ -46,6 +56,12 @@ class LLM:
         self.tokenizer = parts.tokenizer
         self.info = parts.info
         self._counter = itertools.count()
+        self.experts: ExpertMonitor | None = None
+        if self.config.num_spare_experts > 0:
+            monitor = ExpertMonitor.of_model(
+                parts.core.runner.model, model_dir=parts.info.model_dir, auto_restore=True
+            )
+            self.experts = monitor if monitor.blocks else None
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The tokenizer; None with `skip_tokenizer_init`."""
@@ -168,11 +184,15 @@ class LLM:
                 core.add_request(child)
         while core.has_unfinished_requests():
             processed = processor.process(core.step())
+            if self.experts is not None and core.num_steps % EXPERT_READ_PERIOD_STEPS == 0:
+                self.experts.read(core.num_steps)  # between steps: may restore experts
             for child_id, stop_str in processed.stop_requests:
                 core.finish_requests([child_id], FinishReason.STOP, stop_str)
             for _, out in processed.request_outputs:
                 if out.finished:
                     finished[out.request_id] = out
+        if self.experts is not None:
+            self.experts.read(core.num_steps)
         return [finished[b[0]] for b in batches]
 
 

@@ -10,6 +10,11 @@ Invariants:
 - Load and health (`layers.moe_stats.ExpertState`, created lazily on the weights' device): every
   forward masks frozen experts' router logits with -inf before top-k, adds the routed tokens
   per expert and folds in the backend's per-expert non-finite flags, all on the device.
+- Spare slots (`add_spare_slots`, `--num-spare-experts`; none by default): w13 / w2 then hold
+  E + N physical slots and `expert_slots()` maps logical experts to them
+  (`layers.expert_slots`): routing, counts and health stay logical, only the experts' compute
+  reads `ExpertSlots.map_ids(topk_ids)` (one gather) and raises its non-finite flags per slot,
+  folded back to logical ids after the experts. Without spares nothing of this runs.
 - On CUDA with Triton installed the routing and the bookkeeping are two Triton kernels
   (`kernels.moe_routing_triton.fused_route` before the experts,
   `kernels.moe_health_triton.fused_health_update` after them; imported only on that path) and
@@ -28,8 +33,10 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from sits.core.errors import InvalidParameterError
 from sits.kernels.moe_ref import TorchMoe
 from sits.kernels.triton_utils import has_triton
+from sits.layers.expert_slots import ExpertSlots
 from sits.layers.moe_stats import ExpertState
 
 
@@ -81,15 +88,22 @@ class SparseMoeBlock(nn.Module):
 
     Attributes:
         gate: router, Linear(hidden_size, num_experts, bias=False).
-        w13: [num_experts, 2 * intermediate_size, hidden_size] parameter.
-        w2: [num_experts, hidden_size, intermediate_size] parameter.
+        w13: [num_slots, 2 * intermediate_size, hidden_size] parameter (num_slots =
+            num_experts + num_spare_experts; logical expert e lives in slot
+            `physical_slot(e)`, e itself without spares).
+        w2: [num_slots, hidden_size, intermediate_size] parameter.
         moe_backend: where routing and experts run.
+        num_spare_experts: spare physical slots (0 = none, no routing table).
         fused_routing: use the Triton routing and health kernels when the input is on CUDA and
             Triton is installed (True by default; tests set False to run the PyTorch path).
     """
 
     def __init__(
-        self, hidden_size: int, config: MoeConfig, moe_backend: MoeBackend | None = None
+        self,
+        hidden_size: int,
+        config: MoeConfig,
+        moe_backend: MoeBackend | None = None,
+        num_spare_experts: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
@@ -101,6 +115,59 @@ class SparseMoeBlock(nn.Module):
         self._expert_state: ExpertState | None = None
         self.fused_routing = True
         self._kernels_fit: bool | None = None  # looked up once, at the first CUDA forward
+        self.num_spare_experts = 0
+        self._expert_slots: ExpertSlots | None = None
+        self.add_spare_slots(num_spare_experts)
+
+    def add_spare_slots(self, num_spare: int) -> None:
+        """Grow w13 and w2 by `num_spare` zero physical slots (no memory on the meta device);
+        0 does nothing. Call once, before the first forward (the loader does, on the meta
+        model): it replaces both parameters.
+
+        Raises:
+            InvalidParameterError: num_spare < 0.
+        """
+        if num_spare < 0:
+            raise InvalidParameterError(
+                "num_spare_experts", f"num_spare_experts must be >= 0, got {num_spare}"
+            )
+        if num_spare == 0:
+            return
+        assert self.num_spare_experts == 0 and self._expert_slots is None, "spares added twice"
+        num_experts = self.config.num_experts
+        with torch.no_grad():
+            for name in ("w13", "w2"):
+                old = getattr(self, name)
+                new = old.new_zeros((num_experts + num_spare, *old.shape[1:]))  # [E + N, ...]
+                new[:num_experts].copy_(old)
+                setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
+        self.num_spare_experts = num_spare
+
+    def expert_slots(self) -> ExpertSlots | None:
+        """The layer's logical -> physical slot table (made on the weights' device at first
+        use: the identity, spares free), or None without spare slots."""
+        if self.num_spare_experts == 0:
+            return None
+        if self._expert_slots is None:
+            self._expert_slots = ExpertSlots.identity(
+                self.config.num_experts, self.num_spare_experts, self.w13.device
+            )
+        return self._expert_slots
+
+    def physical_slot(self, expert_id: int) -> int:
+        """The slot of w13 / w2 holding logical expert `expert_id` (host bookkeeping)."""
+        slots = self.expert_slots()
+        return expert_id if slots is None else slots.slot_of[expert_id]
+
+    def clear_free_slots(self) -> None:
+        """Zero the weights of the slots no expert holds (garbage after `to_empty`)."""
+        slots = self.expert_slots()
+        if slots is None:
+            return
+        with torch.no_grad():
+            for slot in slots.free_slots:
+                self.w13[slot].zero_()
+                self.w2[slot].zero_()
 
     def expert_state(self) -> ExpertState:
         """The layer's expert counters and frozen mask (made on the weights' device at first
@@ -142,10 +209,24 @@ class SparseMoeBlock(nn.Module):
         )  # [num_tokens, top_k] each
         state.count(topk_ids, token_mask)
         state.mark_checked(topk_ids, state.finite_rows(router_logits, token_mask))
-        out = self.moe_backend.experts(
-            hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
-        )  # [num_tokens, hidden_size]
+        out = self._run_experts(hidden, topk_weights, topk_ids, state)  # [num_tokens, hidden]
         state.update_health()
+        return out
+
+    def _run_experts(
+        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, state: ExpertState
+    ) -> Tensor:
+        """The backend's experts on the physical slots of topk_ids [T, k] (logical ids), their
+        non-finite flags folded into `state.anomalous` by logical id -> [T, hidden_size]."""
+        slots = self.expert_slots()
+        if slots is None:
+            return self.moe_backend.experts(
+                hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
+            )
+        out = self.moe_backend.experts(
+            hidden, self.w13, self.w2, topk_weights, slots.map_ids(topk_ids), slots.nonfinite
+        )  # [num_tokens, hidden_size]
+        slots.fold_nonfinite(state.anomalous)
         return out
 
     def _use_fused_kernels(self, hidden: Tensor) -> bool:
@@ -166,7 +247,8 @@ class SparseMoeBlock(nn.Module):
         self, hidden: Tensor, router_logits: Tensor, state: ExpertState, token_mask: Tensor | None
     ) -> Tensor:
         """The CUDA path: `fused_route`, the experts, `fused_health_update` (two launches
-        besides the gate GEMM and the experts' own; no host synchronisation)."""
+        besides the gate GEMM and the experts' own, plus the slot gather and the flag fold
+        with spare slots; no host synchronisation)."""
         from sits.kernels.moe_health_triton import fused_health_update
         from sits.kernels.moe_routing_triton import fused_route
 
@@ -180,9 +262,7 @@ class SparseMoeBlock(nn.Module):
             state.checked,
             token_mask,
         )  # [num_tokens, top_k] each
-        out = self.moe_backend.experts(
-            hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
-        )  # [num_tokens, hidden_size]
+        out = self._run_experts(hidden, topk_weights, topk_ids, state)  # [num_tokens, hidden]
         fused_health_update(
             state.checked,
             state.anomalous,
@@ -195,4 +275,5 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"{self.config}"
+        spares = f", num_spare_experts={self.num_spare_experts}" if self.num_spare_experts else ""
+        return f"{self.config}{spares}"

@@ -5,8 +5,11 @@ Invariants:
   the loader accepts: per-expert hub names (`layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`,
   Mixtral's `layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}`) or fused expert tensors
   (`layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]).
-- The copy into w13[e] / w2[e] happens in place (same storage, the block's dtype and device);
-  callers run it between steps (the engine thread).
+- The copy goes into the block's weights in place (same storage, the block's dtype and
+  device): `restore_expert` overwrites the slot the expert uses now; with spare slots
+  (`layers.expert_slots`) `restore_expert_into_spare` fills the oldest free slot first and
+  only then points the routing table at it, so the expert's old slot is never read while
+  half written. Callers run both between steps (the engine thread).
 """
 
 from __future__ import annotations
@@ -66,12 +69,8 @@ def read_expert_weights(model_dir: str, layer_id: int, expert_id: int) -> tuple[
     return torch.cat([parts["gate"], parts["up"]], dim=0), parts["down"]
 
 
-def restore_expert(block, model_dir: str, layer_id: int, expert_id: int) -> None:
-    """Copy the checkpoint's weights of expert `expert_id` into `block` (a SparseMoeBlock).
-
-    Raises:
-        UnsupportedModelError: missing weights, or shapes that do not match the block.
-    """
+def _read_checked(block, model_dir: str, layer_id: int, expert_id: int) -> tuple[Tensor, Tensor]:
+    """`read_expert_weights`, checked against the block's per-slot shapes."""
     w13, w2 = read_expert_weights(model_dir, layer_id, expert_id)
     if w13.shape != block.w13.shape[1:] or w2.shape != block.w2.shape[1:]:
         raise UnsupportedModelError(
@@ -79,6 +78,44 @@ def restore_expert(block, model_dir: str, layer_id: int, expert_id: int) -> None
             f"{tuple(w2.shape)}; the model expects {tuple(block.w13.shape[1:])}, "
             f"{tuple(block.w2.shape[1:])}"
         )
+    return w13, w2
+
+
+def _write_slot(block, slot: int, w13: Tensor, w2: Tensor) -> None:
     with torch.no_grad():
-        block.w13[expert_id].copy_(w13)
-        block.w2[expert_id].copy_(w2)
+        block.w13[slot].copy_(w13)  # [2I, H]
+        block.w2[slot].copy_(w2)  # [H, I]
+
+
+def restore_expert(block, model_dir: str, layer_id: int, expert_id: int) -> None:
+    """Copy the checkpoint's weights of expert `expert_id` into the slot of `block` (a
+    SparseMoeBlock) that holds it now (`block.physical_slot`).
+
+    Raises:
+        UnsupportedModelError: missing weights, or shapes that do not match the block.
+    """
+    w13, w2 = _read_checked(block, model_dir, layer_id, expert_id)
+    _write_slot(block, block.physical_slot(expert_id), w13, w2)
+
+
+def restore_expert_into_spare(block, model_dir: str, layer_id: int, expert_id: int) -> int:
+    """Load the checkpoint's weights of expert `expert_id` into the oldest free slot of `block`
+    (a SparseMoeBlock with spare slots), then point its routing table there; the slot it
+    leaves becomes a free spare (`ExpertSlots.switch`).
+
+    Returns:
+        The expert's new physical slot.
+
+    Raises:
+        UnsupportedModelError: missing weights, or shapes that do not match the block (the
+            table is then unchanged).
+        ValueError: the block has no free slot.
+    """
+    slots = block.expert_slots()
+    slot = slots.next_free_slot() if slots is not None else None
+    if slot is None:
+        raise ValueError("the MoE layer has no free spare slot")
+    w13, w2 = _read_checked(block, model_dir, layer_id, expert_id)
+    _write_slot(block, slot, w13, w2)
+    slots.switch(expert_id, slot)
+    return slot

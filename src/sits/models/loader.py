@@ -10,6 +10,11 @@ Weight names are mapped from Hugging Face checkpoints onto our fused parameters:
   (gate rows first) -> mlp.w13, mlp.experts.down_proj [E, H, I] -> mlp.w2;
 - block_sparse_moe.gate -> mlp.gate (router); everything else by identical name.
 
+Spare expert slots (`num_spare_experts`, `SparseMoeBlock.add_spare_slots`): the checkpoint's
+experts fill the logical slots 0 .. E-1 of w13 / w2 (the routing table starts as the
+identity); the N spare slots are not in the checkpoint, are zeroed and do not count as
+missing.
+
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
 model is built on the meta device and materialised on the target device in the target dtype, so
@@ -37,7 +42,7 @@ from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.linear import FusedLinear
 from sits.layers.moe import MoeBackend, SparseMoeBlock
-from sits.models.dummy import init_dummy_weights, read_dummy_seed
+from sits.models.dummy import fill_dummy_, init_dummy_weights, read_dummy_seed
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
 
@@ -112,6 +117,7 @@ def load_model(
     *,
     load_format: str = "auto",
     seed: int = 0,
+    num_spare_experts: int = 0,
 ) -> DecoderForCausalLM:
     """Build the model of a checkpoint directory and load (or make) its weights.
 
@@ -125,6 +131,8 @@ def load_model(
             `sits.models.dummy`); "auto": dummy with the directory's seed when model_dir is a
             dummy directory (`prepare_dummy_dir`), else safetensors.
         seed: the dummy weights' seed (load_format "dummy" only).
+        num_spare_experts: spare expert slots added to every sparse MoE layer (zeroed; the
+            logical experts' weights are those of a load without spares).
 
     Returns:
         The model in eval mode, parameters without gradients.
@@ -135,6 +143,7 @@ def load_model(
             match the model (missing, unexpected, duplicated, wrong shape).
     """
     model = build_meta_model(model_dir, moe_backend)
+    spare_blocks = _add_spare_slots(model, num_spare_experts)
     model = model.to(dtype).to_empty(device=torch.device(device))
     model.tie_weights()
     dummy_seed = seed if load_format == "dummy" else None
@@ -142,11 +151,27 @@ def load_model(
         dummy_seed = read_dummy_seed(model_dir)
     if dummy_seed is not None:
         init_dummy_weights(model, dummy_seed)
+        for name, block in spare_blocks.items():  # the values of a load without spares
+            num_experts = block.config.num_experts
+            fill_dummy_(block.w13.data[:num_experts], f"{name}.w13", dummy_seed)
+            fill_dummy_(block.w2.data[:num_experts], f"{name}.w2", dummy_seed)
     else:
         load_weights(model, safetensors_files(model_dir))
+    for block in spare_blocks.values():
+        block.clear_free_slots()
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _add_spare_slots(model: nn.Module, num_spare_experts: int) -> dict[str, SparseMoeBlock]:
+    """Give every sparse MoE block `num_spare_experts` spare slots; name -> block of those."""
+    if num_spare_experts == 0:
+        return {}
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    for block in blocks.values():
+        block.add_spare_slots(num_spare_experts)
+    return blocks
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -201,6 +226,7 @@ def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Te
         UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
     """
     params = dict(model.named_parameters())
+    expected_numel = _checkpoint_numel(model, params)
     loaded_numel = dict.fromkeys(params, 0)
     seen_regions: set[tuple[str, str]] = set()
     unexpected: list[str] = []
@@ -217,17 +243,28 @@ def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Te
         seen_regions.add(region)
         param = params[target.param_name]
         loaded_numel[target.param_name] += _copy(param, target, tensor, name)
-    repeated = [n for n, p in params.items() if loaded_numel[n] > p.numel()]
+    repeated = [n for n in params if loaded_numel[n] > expected_numel[n]]
     if repeated:
         raise UnsupportedModelError(
             f"checkpoint weights written more than once: {_names(repeated)}"
         )
-    missing = [n for n, p in params.items() if loaded_numel[n] < p.numel()]
+    missing = [n for n in params if loaded_numel[n] < expected_numel[n]]
     if missing or unexpected:
         raise UnsupportedModelError(
             f"checkpoint weights do not match {type(model).__name__}: "
             f"missing {_names(missing)}; unexpected {_names(unexpected)}"
         )
+
+
+def _checkpoint_numel(model: nn.Module, params: dict[str, Tensor]) -> dict[str, int]:
+    """Elements the checkpoint must write per parameter: all, but the logical expert slots
+    only of an MoE block with spare slots."""
+    numel = {name: param.numel() for name, param in params.items()}
+    for prefix, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
+            for name in (f"{prefix}.w13", f"{prefix}.w2"):
+                numel[name] = params[name][: module.config.num_experts].numel()
+    return numel
 
 
 def _names(names: list[str]) -> str:
@@ -280,7 +317,7 @@ def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Targe
         target = _expert_part(model, prefix, int(expert), "down")
     elif match := _FUSED_EXPERTS.match(name):
         prefix, which, _ = match.groups()
-        target = _Target(f"{prefix}.{'w13' if which == 'gate_up_proj' else 'w2'}", ())
+        target = _fused_experts(model, prefix, "w13" if which == "gate_up_proj" else "w2")
     else:
         target = _Target(name, ())
     if target is None or target.param_name not in params:
@@ -293,6 +330,15 @@ def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> _Ta
     if not isinstance(module, FusedLinear):
         return None
     return _Target(f"{module_name}.{kind}", (module.part_rows(part),))
+
+
+def _fused_experts(model: nn.Module, prefix: str, param: str) -> _Target:
+    """All experts of w13 or w2 at once: the whole parameter, or its logical slots 0 .. E-1
+    when the block has spare slots."""
+    module = _submodule(model, prefix)
+    if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
+        return _Target(f"{prefix}.{param}", (slice(0, module.config.num_experts),))
+    return _Target(f"{prefix}.{param}", ())
 
 
 def _expert_part(model: nn.Module, prefix: str, expert: int, part: str) -> _Target | None:

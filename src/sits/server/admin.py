@@ -4,7 +4,8 @@
   (`ExpertStats.to_json()`; `{"layers": []}` for a dense model).
 - POST /v1/admin/experts/{layer}/{expert}/freeze and .../unfreeze: mask an expert in its
   layer's router, or route to it again; .../restore: reload its weights from the checkpoint and
-  unfreeze it; each answers the stats right after.
+  unfreeze it (into a spare slot, then switching the layer's routing table, when the engine
+  has spare expert slots: `--num-spare-experts`); each answers the stats right after.
 
 Auth: without a configured admin key every admin route is 404 (the surface does not exist);
 with one, a missing bearer key is 401 and a wrong one 403. The tenants' API keys never open
@@ -78,6 +79,6 @@ async def unfreeze_expert(layer: int, expert: int, request: Request) -> JSONResp
 
 @admin_router.post("/experts/{layer}/{expert}/restore")
 async def restore_expert(layer: int, expert: int, request: Request) -> JSONResponse:
-    """Reload the expert's weights from the checkpoint and unfreeze it (400 for an unknown
-    layer/expert or a checkpoint without them)."""
+    """Reload the expert's weights from the checkpoint (into a spare slot when the layer has
+    one) and unfreeze it (400 for an unknown layer/expert or a checkpoint without them)."""
     return await _on_engine(request, "restore_expert", layer, expert)
