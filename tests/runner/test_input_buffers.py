@@ -84,6 +84,37 @@ def test_decode_padding_and_stale_entries() -> None:
     assert inputs.last_token_indices == [0, 1]
 
 
+@pytest.mark.parametrize("num_seqs", [3, 12])  # block tables written row by row, scattered
+def test_decode_steps_match_the_definition(num_seqs: int) -> None:
+    buffers = InputBuffers(
+        max_num_tokens=64, max_num_seqs=16, max_blocks_per_seq=6, block_size=BLOCK_SIZE,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    # A mixed step first, then decode steps of other sizes: cached views and stale rows.
+    buffers.prepare(StepPlan([_sr("x", [1] * 20, 0, [1, 2, 3, 4, 5]), _sr("y", [2], 3, [6])]))
+    for step in range(2):
+        plan = StepPlan(
+            [
+                _sr(f"r{i}", [100 + i], nb * BLOCK_SIZE - 2 + step, [10 + i, 30 + i, 50 + i][:nb])
+                for i, nb in ((i, i % 3 + 1) for i in range(num_seqs))
+            ]
+        )
+        inputs = buffers.prepare(plan)
+        want = _expected(plan)
+        md = inputs.metadata
+        assert inputs.input_ids.tolist() == want["ids"]
+        assert inputs.positions.tolist() == want["pos"]
+        assert md.slot_mapping.tolist() == want["slots"]
+        assert md.query_start_loc.tolist() == md.query_start_loc_cpu == want["qsl"]
+        assert md.seq_lens.tolist() == md.seq_lens_cpu == want["lens"]
+        for i, sr in enumerate(plan.scheduled):
+            assert md.block_tables[i, : len(sr.block_ids)].tolist() == sr.block_ids
+        assert (md.max_query_len, md.max_seq_len) == (1, max(want["lens"]))
+        assert inputs.last_token_indices == list(range(num_seqs))
+        assert inputs.token_mask is None
+    assert buffers.view(num_seqs) is buffers.view(num_seqs, num_seqs)  # made once
+
+
 def test_too_wide_block_table_is_refused() -> None:
     with pytest.raises(AssertionError, match="block table"):
         _buffers().prepare(StepPlan([_sr("a", [1], 0, list(range(1, 8)))]))

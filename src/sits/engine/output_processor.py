@@ -62,6 +62,7 @@ class _Parent:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    child_ids: list[str] = field(default_factory=list)  # engine request id of each sample
 
     @property
     def finished(self) -> bool:
@@ -131,6 +132,7 @@ class OutputProcessor:
             samples,
             RequestMetrics(arrival_time),
             sink,
+            child_ids=list(child_ids),
         )
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = []
@@ -144,8 +146,9 @@ class OutputProcessor:
         if parent is None:
             return []
         open_ids = []
-        for child_id, (p, sample) in list(self._children.items()):
-            if p is parent:
+        for child_id, sample in zip(parent.child_ids, parent.samples):
+            entry = self._children.get(child_id)
+            if entry is not None and entry[0] is parent:
                 del self._children[child_id]
                 if sample.finish_reason is None:
                     open_ids.append(child_id)
@@ -185,10 +188,11 @@ class OutputProcessor:
                 self._apply(parent, sample, out, now, batch)
             touched[parent.request_id] = parent
         for parent in touched.values():
-            request_output = self._make_output(parent)
+            finished = parent.finished
+            request_output = self._make_output(parent, finished)
             if request_output is not None:
                 batch.request_outputs.append((parent.sink, request_output))
-            if parent.finished:
+            if finished:
                 parent.metrics.finished_time = now
                 self.remove_request(parent.request_id)
         return batch
@@ -261,9 +265,8 @@ class OutputProcessor:
             for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
         }
 
-    def _make_output(self, parent: _Parent) -> RequestOutput | None:
+    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput | None:
         kind = parent.params.output_kind
-        finished = parent.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA

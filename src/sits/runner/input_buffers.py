@@ -1,5 +1,6 @@
 """Persistent step-input buffers: a plan's tokens, positions, slots and block tables filled with
-vectorised numpy on host staging arrays and copied once per tensor to fixed device buffers.
+vectorised numpy on host staging arrays and copied once per tensor to fixed device buffers (on
+the CPU the host arrays are the device buffers: nothing is copied).
 
 The same buffers feed eager steps and CUDA-graph replays: a graph captured over
 `buffers.view(batch_size)` reads whatever the next `prepare` wrote there, so device addresses
@@ -17,6 +18,8 @@ Invariants:
 - Host staging arrays are pinned on CUDA and copied with non_blocking=True; they are safe to
   refill because every step ends with a device sync (the sampled token ids are read back)
   before the next `prepare`.
+- A pure decode step (one token per sequence) takes a shorter path with the same result, and
+  the device views of each (sequences, tokens) size are made once and reused.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sits.core.plan import StepPlan
+from sits.core.plan import ScheduledRequest, StepPlan
 from sits.layers.forward_context import AttentionMetadata
+
+_MAX_CACHED_VIEWS = 1024  # sizes of `InputBuffers.view` kept (decode steps reuse a few)
+_MAX_ROWS_BY_ROW = 8  # block tables of at most this many rows are written row by row
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,18 +117,29 @@ class InputBuffers:
             "block_tables_stage": ((max_num_seqs * max_blocks_per_seq,), torch.int32),
         }
         for name, (shape, dtype) in shapes.items():
+            if name.endswith("_stage") and device.type == "cpu":
+                continue  # the CPU fills its block table in place
             host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
             self._host[name] = host
             if not name.endswith("_stage"):
                 on_cpu = device.type == "cpu"
                 self._dev[name] = host if on_cpu else torch.zeros_like(host, device=device)
         self._np = {name: t.numpy() for name, t in self._host.items()}
+        self._arange = np.arange(max(max_num_tokens, max_num_seqs) + 1)  # 0, 1, 2, ...
+        self._views: dict[tuple[int, int], BufferViews] = {}
 
     def view(self, num_seqs: int, num_tokens: int | None = None) -> BufferViews:
-        """Device views of the first `num_tokens` tokens (default num_seqs) and `num_seqs` rows."""
+        """Device views of the first `num_tokens` tokens (default num_seqs) and `num_seqs` rows.
+
+        Views of a size are made once and cached (the buffers never move), at most
+        `_MAX_CACHED_VIEWS` sizes at a time.
+        """
         n = num_seqs if num_tokens is None else num_tokens
+        views = self._views.get((num_seqs, n))
+        if views is not None:
+            return views
         d = self._dev
-        return BufferViews(
+        views = BufferViews(
             input_ids=d["input_ids"][:n],
             positions=d["positions"][:n],
             slot_mapping=d["slot_mapping"][:n],
@@ -131,6 +148,10 @@ class InputBuffers:
             seq_lens=d["seq_lens"][:num_seqs],
             block_tables=d["block_tables"][:num_seqs],
         )
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[(num_seqs, n)] = views
+        return views
 
     def prepare(self, plan: StepPlan, pad_to_seqs: int | None = None) -> StepInputs:
         """Fill the buffers from a plan and copy them to the device.
@@ -148,66 +169,63 @@ class InputBuffers:
         """
         scheduled = plan.scheduled
         num_seqs = len(scheduled)
-        counts = np.fromiter((sr.num_tokens for sr in scheduled), np.int64, num_seqs)
-        starts = np.fromiter((sr.start_position for sr in scheduled), np.int64, num_seqs)
-        num_blocks = np.fromiter((len(sr.block_ids) for sr in scheduled), np.int64, num_seqs)
-        num_tokens = int(counts.sum())
+        token_ids = np.fromiter(
+            chain.from_iterable([sr.token_ids for sr in scheduled]), np.int64
+        )  # [num_tokens]
+        num_tokens = token_ids.size
+        starts = np.fromiter([sr.start_position for sr in scheduled], np.int64, num_seqs)
         assert num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs
-        assert int(num_blocks.max()) <= self.max_blocks_per_seq, "block table too wide"
         padded_seqs = num_seqs if pad_to_seqs is None else pad_to_seqs
         padded_tokens = num_tokens + (padded_seqs - num_seqs)
         assert padded_seqs >= num_seqs and padded_tokens <= self.max_num_tokens
 
         h = self._np
-        # Block tables: scatter the concatenated block ids into rows.
-        flat_blocks = np.fromiter(
-            chain.from_iterable(sr.block_ids for sr in scheduled), np.int32, int(num_blocks.sum())
-        )
-        rows = np.repeat(np.arange(num_seqs), num_blocks)
-        row_starts = np.cumsum(num_blocks) - num_blocks  # [num_seqs]
-        cols = np.arange(flat_blocks.size) - np.repeat(row_starts, num_blocks)
-        width = int(num_blocks.max())
-        tables = h["block_tables_stage"][: padded_seqs * width].reshape(padded_seqs, width)
-        tables[rows, cols] = flat_blocks
-        tables[num_seqs:padded_seqs, 0] = 0  # padding reads the null block
-        # Tokens, positions and slots.
-        offsets = np.cumsum(counts) - counts  # [num_seqs] first flat index of each sequence
-        token_seq = np.repeat(np.arange(num_seqs), counts)  # [num_tokens]
-        positions = np.repeat(starts - offsets, counts) + np.arange(num_tokens)
-        h["input_ids"][:num_tokens] = np.fromiter(
-            chain.from_iterable(sr.token_ids for sr in scheduled), np.int64, num_tokens
-        )
+        tables = self._fill_block_tables(scheduled, padded_seqs)  # [padded_seqs, width]
+        qsl = h["query_start_loc"]
+        seq_index = self._arange[:num_seqs]
+        if num_tokens == num_seqs:  # pure decode: one token per sequence (each has >= 1)
+            token_seq, positions, max_query_len = seq_index, starts, 1
+            qsl[: num_seqs + 1] = self._arange[: num_seqs + 1]
+            seq_lens = starts + 1
+        else:
+            counts = np.fromiter([len(sr.token_ids) for sr in scheduled], np.int64, num_seqs)
+            offsets = np.cumsum(counts) - counts  # [num_seqs] first flat index of each sequence
+            token_seq = np.repeat(seq_index, counts)  # [num_tokens]
+            positions = np.repeat(starts - offsets, counts) + self._arange[:num_tokens]
+            max_query_len = int(counts.max())
+            qsl[0] = 0
+            np.cumsum(counts, out=qsl[1 : num_seqs + 1])
+            seq_lens = starts + counts
+        h["input_ids"][:num_tokens] = token_ids
         h["positions"][:num_tokens] = positions
         bs = self.block_size
         h["slot_mapping"][:num_tokens] = (
             tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         )
         h["token_mask"][:num_tokens] = True
-        pad = slice(num_tokens, padded_tokens)
-        h["input_ids"][pad] = 0
-        h["positions"][pad] = 0
-        h["slot_mapping"][pad] = -1
-        h["token_mask"][pad] = False
-        seq_lens = starts + counts
         h["seq_lens"][:num_seqs] = seq_lens
-        h["seq_lens"][num_seqs:padded_seqs] = 1
-        qsl = h["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(counts, out=qsl[1 : num_seqs + 1])
-        qsl[num_seqs + 1 : padded_seqs + 1] = num_tokens + np.arange(1, padded_seqs - num_seqs + 1)
+        if padded_seqs > num_seqs:
+            pad = slice(num_tokens, padded_tokens)
+            h["input_ids"][pad] = 0
+            h["positions"][pad] = 0
+            h["slot_mapping"][pad] = -1
+            h["token_mask"][pad] = False
+            h["seq_lens"][num_seqs:padded_seqs] = 1
+            qsl[num_seqs + 1 : padded_seqs + 1] = (
+                num_tokens + self._arange[1 : padded_seqs - num_seqs + 1]
+            )
 
-        self._copy(padded_tokens, padded_seqs, width)
+        self._copy(padded_tokens, padded_seqs, tables.shape[1])
         views = self.view(padded_seqs, padded_tokens)
         qsl_cpu = qsl[: num_seqs + 1].tolist()
-        seq_lens_cpu = seq_lens.tolist()
         metadata = AttentionMetadata(
             query_start_loc=views.query_start_loc,
             seq_lens=views.seq_lens,
             block_tables=views.block_tables,
             slot_mapping=views.slot_mapping,
             query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-            max_query_len=int(counts.max()),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             block_size=bs,
         )
@@ -219,12 +237,44 @@ class InputBuffers:
             token_mask=None if padded_tokens == num_tokens else views.token_mask,
         )
 
-    def _copy(self, num_tokens: int, num_seqs: int, width: int) -> None:
-        """Host staging -> device for the filled region (only the block table on CPU)."""
-        stage = self._host["block_tables_stage"][: num_seqs * width].view(num_seqs, width)
+    def _fill_block_tables(self, scheduled: list[ScheduledRequest], padded_seqs: int) -> np.ndarray:
+        """Write the sequences' block ids into the host table rows (padding rows read the null
+        block); returns the [padded_seqs, width] host array, width = the widest table.
+
+        On CPU the rows are the device table itself; elsewhere a dense staging area copied by
+        `_copy`.
+        """
+        num_seqs = len(scheduled)
+        num_blocks = np.fromiter([len(sr.block_ids) for sr in scheduled], np.int64, num_seqs)
+        width = int(num_blocks.max())
+        assert width <= self.max_blocks_per_seq, "block table too wide"
         if self.device.type == "cpu":
-            self._dev["block_tables"][:num_seqs, :width].copy_(stage)
+            tables = self._np["block_tables"][:padded_seqs, :width]
+        else:
+            stage = self._np["block_tables_stage"]
+            tables = stage[: padded_seqs * width].reshape(padded_seqs, width)
+        if num_seqs <= _MAX_ROWS_BY_ROW:  # a few rows: one assignment each is cheaper
+            for row, sr in enumerate(scheduled):
+                tables[row, : len(sr.block_ids)] = sr.block_ids
+        else:  # scatter the concatenated block ids into rows
+            flat_blocks = np.fromiter(
+                chain.from_iterable([sr.block_ids for sr in scheduled]),
+                np.int32,
+                int(num_blocks.sum()),
+            )
+            rows = np.repeat(self._arange[:num_seqs], num_blocks)
+            row_starts = np.cumsum(num_blocks) - num_blocks  # [num_seqs]
+            cols = np.arange(flat_blocks.size) - np.repeat(row_starts, num_blocks)
+            tables[rows, cols] = flat_blocks
+        tables[num_seqs:padded_seqs, 0] = 0  # padding reads the null block
+        return tables
+
+    def _copy(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        """Host staging -> device for the filled region (nothing on CPU: the host arrays are the
+        device buffers)."""
+        if self.device.type == "cpu":
             return
+        stage = self._host["block_tables_stage"][: num_seqs * width].view(num_seqs, width)
         for name in ("input_ids", "positions", "slot_mapping", "token_mask"):
             self._dev[name][:num_tokens].copy_(self._host[name][:num_tokens], non_blocking=True)
         self._dev["query_start_loc"][: num_seqs + 1].copy_(

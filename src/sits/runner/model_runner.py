@@ -2,8 +2,9 @@
 
 It owns everything on the device: the model weights, the paged KV cache, the persistent input
 buffers, the decode CUDA graphs, and each request's sampling state (its random generator
-survives preemption, so a seeded request gives the same tokens after it is resumed). It never
-imports the scheduler.
+survives preemption, so a seeded request gives the same tokens after it is resumed). Unseeded
+requests draw their sampling noise together from the runner's own generator, seeded from the
+engine seed (`Sampler`). It never imports the scheduler.
 
 On CUDA with Triton the attention (and, when available, the MoE) run as Triton kernels and a
 pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
@@ -35,7 +36,7 @@ from sits.runner.kv_cache_alloc import (
 from sits.runner.model_info import ModelInfo
 from sits.runner.swap import HostKVCache, num_host_blocks
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
-from sits.sampling.state import SamplingState
+from sits.sampling.state import SamplingState, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class ModelRunner:
             moe_backend=select_moe_backend(self.device),
             load_format=config.load_format,
             seed=config.seed,
+            num_spare_experts=config.num_spare_experts,
         )
         self.model.eval()
         arch = self.model.arch
@@ -139,9 +141,13 @@ class ModelRunner:
             self._moe_backend_name(),
             self.graphs.batch_sizes if self.graphs else "off",
         )
-        self.sampler = Sampler()
+        # The unseeded requests' shared generator: from the engine seed, but not equal to the
+        # generator of a request whose own seed is the engine seed.
+        shared_seed = random.Random(f"sits-sampler-{config.seed}").getrandbits(63)
+        self.sampler = Sampler(make_generator(shared_seed, self.device))
         self._seed_source = random.Random(config.seed)
         self._states: dict[str, SamplingState] = {}
+        self._prompt_logprob_ids: set[str] = set()  # requests that asked for prompt logprobs
         # Prompt logprobs already returned per request (a resumed request recomputes its
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
@@ -175,8 +181,11 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._states.pop(request_id, None)
             self._prompt_logprobs_done.pop(request_id, None)
+            self._prompt_logprob_ids.discard(request_id)
         for new in plan.new_requests:
             self._states[new.request_id] = self._new_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprob_ids.add(new.request_id)
         if plan.swap_out or plan.swap_in:
             assert self.host_kv is not None, "swaps planned without a host tier"
             self.host_kv.copy_blocks(self.kv_caches, plan.swap_out, plan.swap_in)
@@ -184,7 +193,8 @@ class ModelRunner:
         if plan.is_empty:
             return result
         hidden, last_indices = self._forward(plan)  # [num_tokens (+ padding), hidden]
-        self._prompt_logprobs(plan, last_indices, hidden, result)
+        if self._prompt_logprob_ids:
+            self._prompt_logprobs(plan, last_indices, hidden, result)
         self._sample(plan, last_indices, hidden, result)
         return result
 
@@ -219,25 +229,29 @@ class ModelRunner:
     def _sample(
         self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
     ) -> None:
+        states_by_id = self._states
         rows: list[int] = []
         states: list[SamplingState] = []
         ids: list[str] = []
         for sr, last in zip(plan.scheduled, last_indices):
             if not sr.sample:
                 continue
-            state = self._states[sr.request_id]
+            state = states_by_id[sr.request_id]
             state.output_token_ids = sr.output_token_ids
             rows.append(last)
             states.append(state)
             ids.append(sr.request_id)
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        # Last-token rows are increasing: rows == 0..k-1 (a decode batch) is a plain slice.
+        picked = hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
+        logits = self.model.compute_logits(picked)  # [num_sampled, vocab] float32
         out = self.sampler(logits, states)
-        for request_id, token_id, logprobs in zip(ids, out.token_ids, out.logprobs):
-            result.sampled_token_ids[request_id] = token_id
-            if logprobs is not None:
-                result.logprobs[request_id] = logprobs
+        result.sampled_token_ids.update(zip(ids, out.token_ids))
+        if out.logprobs.count(None) < len(ids):
+            for request_id, logprobs in zip(ids, out.logprobs):
+                if logprobs is not None:
+                    result.logprobs[request_id] = logprobs
 
     def _prompt_logprobs(
         self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult

@@ -10,9 +10,17 @@ Order of operations (as vLLM):
    min_p * max probability (Nguyen et al. 2024, "Min P Sampling"), then sample with the
    exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks i with probability
    p_i / sum(p) (the Gumbel-max trick in another form).
-Invariants: each row's token depends only on its own logits, state and generator, never on the
-batch; a row's generator advances by exactly one draw of V exponentials per sampled token, and
-not at all for greedy rows. The caller's logits tensor is not modified.
+A batch whose rows are all greedy without penalties, min_tokens or logprobs is answered by one
+argmax of the raw logits (the same tokens, fewer operations). The rows' parameter tensors are
+built once per batch composition (`SamplingBatch`) and reused while the rows stay the same.
+
+Noise: a seeded row (and every row of a sampler without a shared generator) draws from its own
+generator, which advances by exactly one draw of V exponentials per sampled token and not at
+all for greedy rows, so its token depends only on its own logits, state and generator, never
+on the batch. Unseeded rows of a sampler with a shared generator (the runner's, seeded from the
+engine seed) draw their noise together in one [U, V] draw per step, in batch order: one call
+instead of one per row, reproducible given the same engine seed and the same batches.
+The caller's logits tensor is not modified.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from torch import Tensor
 
 from sits.core.outputs import TokenLogprobs
+from sits.sampling.batch import SamplingBatch, TopKTopP, top_k_top_p_of
 from sits.sampling.logprobs import compute_prompt_logprobs, gather_logprobs, log_softmax_f32
 from sits.sampling.penalties import apply_min_tokens, apply_penalties
 from sits.sampling.state import SamplingState
@@ -50,7 +59,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of a logits batch (see the module docstring for the order)."""
+    """Samples one token per row of a logits batch (see the module docstring for the order).
+
+    Args:
+        generator: shared generator of the unseeded rows, on the logits' device; None (the
+            default): every row draws from its own state's generator.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+        self._batch: SamplingBatch | None = None
 
     def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample the next token of each request.
@@ -63,64 +81,101 @@ class Sampler:
         Returns:
             SamplerOutput with B token ids and B logprob entries (None where not asked).
         """
-        num_rows, _ = logits.shape
+        num_rows, num_vocab = logits.shape
         assert num_rows == len(states), "one sampling state per logits row"
-        device = logits.device
-        logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        raw_logprobs = logprob_index = None
-        if logprob_rows:
-            logprob_index = torch.tensor(logprob_rows, dtype=torch.long, device=device)  # [L]
-            raw_logprobs = log_softmax_f32(logits.index_select(0, logprob_index))  # [L, V]
+        batch = self._batch_of(states, num_vocab, logits.device)
+        if batch.plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+        raw_logprobs = None
+        if batch.logprob_index is not None:
+            raw_logprobs = log_softmax_f32(logits.index_select(0, batch.logprob_index))  # [L, V]
 
         logits = logits.to(torch.float32, copy=True)  # [B, V]
-        apply_penalties(logits, states)
-        apply_min_tokens(logits, states)
-        token_ids = logits.argmax(dim=-1)  # [B] greedy choice, replaced for random rows
-        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long, device=device)  # [R]
-            sampled = _sample_random(
-                logits.index_select(0, index), [states[i] for i in random_rows]
-            )  # [R]
-            token_ids.index_copy_(0, index, sampled)
+        if batch.any_penalties:
+            apply_penalties(logits, states)
+        if batch.any_min_tokens:
+            apply_min_tokens(logits, states)
+        token_ids = self._choose(logits, states, batch)  # [B]
 
         entries: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            num_top = [states[i].params.logprobs or 0 for i in logprob_rows]
-            chosen = token_ids.index_select(0, logprob_index)  # [L]
-            rows = gather_logprobs(raw_logprobs, chosen, num_top)
-            for i, entry in zip(logprob_rows, rows):
+            chosen = token_ids.index_select(0, batch.logprob_index)  # [L]
+            rows = gather_logprobs(raw_logprobs, chosen, batch.num_top)
+            for i, entry in zip(batch.logprob_rows, rows):
                 entries[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=entries)
 
+    def _batch_of(
+        self, states: Sequence[SamplingState], num_vocab: int, device: torch.device
+    ) -> SamplingBatch:
+        """The cached `SamplingBatch` of these rows, rebuilt when their parameters changed."""
+        params = [s.params for s in states]
+        shared = self.generator is not None
+        batch = self._batch
+        if batch is None or not batch.matches(params, num_vocab, device, shared):
+            batch = self._batch = SamplingBatch.build(tuple(params), num_vocab, device, shared)
+        return batch
 
-def _sample_random(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
-    """Temperature, top-k, top-p, min-p, then the exponential race with each row's generator.
+    def _choose(
+        self, logits: Tensor, states: Sequence[SamplingState], batch: SamplingBatch
+    ) -> Tensor:
+        """[B] int64 tokens: argmax for greedy rows, the exponential race for the others
+        (`logits` [B, V] float32, penalized; changed in place)."""
+        if not batch.random_rows:
+            return logits.argmax(dim=-1)  # [B]
+        index = batch.random_index
+        if index is None:  # every row is random
+            return self._sample_random(logits, states, batch)
+        token_ids = logits.argmax(dim=-1)  # [B] greedy choice, replaced for random rows
+        random_states = [states[i] for i in batch.random_rows]
+        sampled = self._sample_random(logits.index_select(0, index), random_states, batch)
+        return token_ids.index_copy_(0, index, sampled)
 
-    Args:
-        logits: [R, V] float32 penalized logits of the rows sampled at temperature > 0
-            (changed in place).
-        states: the R rows' states.
+    def _sample_random(
+        self, logits: Tensor, states: Sequence[SamplingState], batch: SamplingBatch
+    ) -> Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race.
 
-    Returns:
-        [R] int64 sampled token ids.
-    """
-    device = logits.device
-    temperatures = torch.tensor(
-        [s.params.temperature for s in states], dtype=torch.float32, device=device
-    )  # [R]
-    logits /= temperatures.unsqueeze(1)
-    apply_top_k_top_p(
-        logits,
-        top_k=[s.params.top_k for s in states],
-        top_p=[s.params.top_p for s in states],
-    )
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-    min_p = [s.params.min_p for s in states]
-    if any(p > 0 for p in min_p):
-        probs = apply_min_p(probs, torch.tensor(min_p, dtype=torch.float32, device=device))
-    noise = torch.stack([exponential_noise(s.generator, probs.shape[1], device) for s in states])
-    return (probs / noise).argmax(dim=-1)  # [R]
+        Args:
+            logits: [R, V] float32 penalized logits of the random rows (changed in place).
+            states: the R rows' states.
+            batch: the batch's parameter tensors.
+
+        Returns:
+            [R] int64 sampled token ids.
+        """
+        assert batch.temperatures is not None
+        logits /= batch.temperatures
+        if batch.filters is not None:
+            _apply_top_k_top_p(logits, batch.filters)
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        if batch.min_p is not None:
+            probs = apply_min_p(probs, batch.min_p)
+        noise = self._noise(probs, states, batch)  # [R, V]
+        return (probs / noise).argmax(dim=-1)  # [R]
+
+    def _noise(
+        self, probs: Tensor, states: Sequence[SamplingState], batch: SamplingBatch
+    ) -> Tensor:
+        """[R, V] float32 Exp(1) noise, >= the smallest normal float32: one draw of V values per
+        own-generator row from its generator, one [U, V] draw from the shared generator."""
+        noise = torch.empty_like(probs)  # [R, V]
+        if batch.shared_rows:
+            if batch.shared_index is None:  # every random row draws from the shared generator
+                noise.exponential_(generator=self.generator)
+            else:
+                shared = torch.empty(
+                    (len(batch.shared_rows), probs.shape[1]), dtype=probs.dtype, device=probs.device
+                )  # [U, V]
+                shared.exponential_(generator=self.generator)
+                noise.index_copy_(0, batch.shared_index, shared)
+        for pos in batch.own_rows:
+            generator = states[pos].generator
+            if generator.device == noise.device:
+                noise[pos].exponential_(generator=generator)
+            else:
+                noise[pos].copy_(exponential_noise(generator, probs.shape[1], noise.device))
+        return noise.clamp_min_(_MIN_NOISE)
 
 
 def exponential_noise(generator: torch.Generator, num_vocab: int, device: torch.device) -> Tensor:
@@ -152,25 +207,22 @@ def apply_top_k_top_p(logits: Tensor, top_k: Sequence[int], top_p: Sequence[floa
         top_k: R values of k.
         top_p: R values of p in (0, 1].
     """
-    num_rows, num_vocab = logits.shape
-    use_k = [0 < k < num_vocab for k in top_k]
-    use_p = [p < 1.0 for p in top_p]
-    if not any(use_k) and not any(use_p):
-        return
-    device = logits.device
+    filters = top_k_top_p_of(top_k, top_p, logits.shape[1], logits.device)
+    if filters is not None:
+        _apply_top_k_top_p(logits, filters)
+
+
+def _apply_top_k_top_p(logits: Tensor, filters: TopKTopP) -> None:
+    """`apply_top_k_top_p` with the parameters already as tensors (logits [R, V], in place)."""
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [R, V]
-    if any(use_k):
-        k = torch.tensor(
-            [k if use else num_vocab for k, use in zip(top_k, use_k)], device=device
-        )  # [R]
-        positions = torch.arange(num_vocab, device=device)  # [V]
-        sorted_logits.masked_fill_(positions.unsqueeze(0) >= k.unsqueeze(1), -torch.inf)
-    if any(use_p):
-        p = torch.tensor(top_p, dtype=torch.float32, device=device)  # [R]
+    if filters.k is not None:
+        sorted_logits.masked_fill_(filters.positions >= filters.k, -torch.inf)
+    if filters.p is not None:
         sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [R, V]
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [R, V]
-        drop = mass_before >= p.unsqueeze(1)  # [R, V]
-        drop &= torch.tensor(use_p, device=device).unsqueeze(1)  # mass before token 0 is 0
+        drop = mass_before >= filters.p  # [R, V]
+        if filters.p_rows is not None:
+            drop &= filters.p_rows  # mass before token 0 is 0: rows without top-p keep all
         sorted_logits.masked_fill_(drop, -torch.inf)
     logits.scatter_(1, sorted_ids, sorted_logits)
 

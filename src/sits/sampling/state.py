@@ -3,7 +3,8 @@
 Invariants: the generator belongs to this request alone and advances only when the request
 samples a token at temperature > 0 (one draw of `vocab_size` exponentials per token), so a
 seeded request gives the same tokens alone, in any batch, and after preemption as long as the
-state (or a copy of its generator state) is kept.
+state (or a copy of its generator state) is kept. An unseeded request served by a sampler with
+a shared generator (the engine's) draws from that one instead and leaves its own untouched.
 """
 
 from __future__ import annotations

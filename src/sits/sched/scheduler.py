@@ -102,6 +102,7 @@ class Scheduler:
         self._running: list[Request] = []
         self._known_to_runner: set[str] = set()  # sent in StepPlan.new_requests, not finished
         self._finished_ids: list[str] = []  # finished since the last schedule(), runner knew
+        self._running_finished = False  # a finished request is still in _running
         self._num_preemptions = 0
 
     # ----------------------------------------------------------------------------- requests
@@ -302,10 +303,13 @@ class Scheduler:
                 request.num_tokens - request.num_computed_tokens, step.token_budget
             )
             assert num_new_tokens >= 1, request
-            if self._allocate_or_preempt(request, num_new_tokens, step):
-                self._add_to_step(request, num_new_tokens, step)
+            tenant = self._tenant(request)
+            if self._allocate_or_preempt(request, tenant, num_new_tokens, step):
+                self._add_to_step(request, tenant, num_new_tokens, step)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _StepState) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, tenant: TenantState, num_new_tokens: int, step: _StepState
+    ) -> bool:
         """Get blocks for a running request, preempting victims until it fits.
 
         Victims come from tenants holding blocks beyond their reservation and the request's
@@ -314,7 +318,6 @@ class Scheduler:
         Returns:
             True when allocated; False when the request itself was preempted.
         """
-        tenant = self._tenant(request)
         while not self._try_allocate(request, tenant, num_new_tokens, NO_HIT, False):
             # Victims: block borrowers, or the requester's own tenant (never another tenant
             # within its reserved blocks).
@@ -338,11 +341,15 @@ class Scheduler:
         count_lookup: bool = True,
     ) -> bool:
         """Allocate the request's blocks if its tenant may take them now; False: unchanged."""
-        num_blocks = self.kv.num_blocks_to_take(request, num_new_tokens, hit)
         free = self.kv.num_free_blocks
+        num_held = len(self.kv.get_block_ids(request.request_id))
+        total = request.num_computed_tokens + num_new_tokens
+        if not hit.block_ids and total <= num_held * self.config.block_size:
+            # Its blocks hold the new tokens already (most decode steps): nothing to take.
+            return self._book.may_take_blocks(tenant, 0, free, within_reservation)
+        num_blocks = self.kv.num_blocks_to_take(request, num_new_tokens, hit)
         if not self._book.may_take_blocks(tenant, num_blocks, free, within_reservation):
             return False
-        num_held = len(self.kv.get_block_ids(request.request_id))
         allocated = self.kv.allocate_slots(request, num_new_tokens, hit, count_lookup)
         assert allocated, (request.request_id, num_blocks, free)
         self._book.add_blocks(tenant, self.kv.get_block_ids(request.request_id)[num_held:])
@@ -457,28 +464,31 @@ class Scheduler:
                 request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         self._running.append(request)
-        self._add_to_step(request, num_new_tokens, step)
+        self._add_to_step(request, tenant, num_new_tokens, step)
         return True
 
-    def _add_to_step(self, request: Request, num_new_tokens: int, step: _StepState) -> None:
+    def _add_to_step(
+        self, request: Request, tenant: TenantState, num_new_tokens: int, step: _StepState
+    ) -> None:
+        request_id = request.request_id
         start = request.num_computed_tokens
         end = start + num_new_tokens
         sample = end == request.num_tokens and request.max_tokens > 0
         step.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
-                start_position=start,
-                block_ids=list(self.kv.get_block_ids(request.request_id)),
-                sample=sample,
-                output_token_ids=request.output_token_ids,
+            ScheduledRequest(  # request_id, token_ids, start_position, block_ids, sample, outputs
+                request_id,
+                request.all_token_ids[start:end],
+                start,
+                list(self.kv.get_block_ids(request_id)),
+                sample,
+                request.output_token_ids,
             )
         )
-        step.scheduled_ids.add(request.request_id)
+        step.scheduled_ids.add(request_id)
         step.token_budget -= num_new_tokens
-        self._charge(request, start, end, sample)
-        if request.request_id not in self._known_to_runner:
-            self._known_to_runner.add(request.request_id)
+        self._charge(request, tenant, start, end, sample)
+        if request_id not in self._known_to_runner:
+            self._known_to_runner.add(request_id)
             step.new_requests.append(
                 NewRequestData(
                     request_id=request.request_id,
@@ -487,16 +497,20 @@ class Scheduler:
                 )
             )
 
-    def _charge(self, request: Request, start: int, end: int, sample: bool) -> None:
+    def _charge(
+        self, request: Request, tenant: TenantState, start: int, end: int, sample: bool
+    ) -> None:
         """Charge the tenant for prompt tokens computed the first time and a sampled token.
 
         Prompt tokens served by the prefix cache or recomputed after a preemption are free.
         """
         charged = self._num_prompt_charged[request.request_id]
-        prompt_end = min(end, request.num_prompt_tokens)
-        num_prompt = max(prompt_end - max(start, charged), 0)
-        self._num_prompt_charged[request.request_id] = max(charged, prompt_end)
-        self._book.charge(self._tenant(request), num_prompt, int(sample))
+        num_prompt = 0
+        if charged < end and charged < request.num_prompt_tokens:  # prompt tokens not charged
+            prompt_end = min(end, request.num_prompt_tokens)
+            num_prompt = max(prompt_end - max(start, charged), 0)
+            self._num_prompt_charged[request.request_id] = prompt_end
+        self._book.charge(tenant, num_prompt, int(sample))
 
     def _tenant(self, request: Request) -> TenantState:
         return self._book.tenant_of(request)
@@ -563,6 +577,7 @@ class Scheduler:
         tenant = self._tenant(request)
         if request.status is RequestStatus.RUNNING:
             self._release(request, tenant)
+            self._running_finished = True
         else:
             self.kv.free(request)  # holds no blocks, but drops its cached hashes
             self._book.remove_waiting(tenant, request)
@@ -578,4 +593,6 @@ class Scheduler:
             self._finished_ids.append(request.request_id)
 
     def _drop_finished(self) -> None:
-        self._running = [r for r in self._running if not r.is_finished]
+        if self._running_finished:
+            self._running = [r for r in self._running if not r.is_finished]
+            self._running_finished = False

@@ -1,0 +1,51 @@
+"""bench/host_overhead.py: its table's columns add up, it counts the pure decode steps, and the
+engine is left as it was (timers and the null forward removed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from sits.engine.output_processor import OutputProcessor
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "host_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def ho():
+    spec = importlib.util.spec_from_file_location("host_overhead", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["host_overhead"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("host_overhead", None)
+
+
+def test_columns_add_up_and_engine_is_restored(ho) -> None:
+    llm = ho.build_llm(max_num_seqs=4, seed=0)
+    core = llm.engine_core
+    objects = [core, core.scheduler, core.runner, core.runner.buffers, core.runner.model]
+    attributes = [set(vars(obj)) for obj in objects]  # instance attributes before the run
+    sampler = core.runner.sampler
+    row = ho.run_case(llm, batch_size=3, sampling="top_p", null_forward=True, output_len=5, seed=0)
+    # 3 prompts of 16 tokens fit one prefill step (token 1), then 4 decode steps.
+    assert row["steps"] == 4
+    assert row["forward"] < row["step"] <= row["loop"]
+    assert row["schedule"] > 0 and row["prep"] > 0 and row["sample"] > 0 and row["output"] > 0
+    # Per step the parts sum to the loop exactly; medians of sums stay close to sums of medians.
+    parts = ("forward", "logits", "schedule", "prep", "sample", "run other", "update",
+             "core other", "output", "loop other")  # fmt: skip
+    assert sum(row[p] for p in parts) == pytest.approx(row["loop"], rel=0.5)
+    assert [set(vars(obj)) for obj in objects] == attributes
+    assert "step" not in vars(core) and core.runner.sampler is sampler
+    assert OutputProcessor.process.__qualname__ == "OutputProcessor.process"
+    # The real forward is back: greedy tokens equal a fresh engine's.
+    from sits import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    again = ho.build_llm(max_num_seqs=4, seed=0).generate(prompt, params)
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == again[0].outputs[0].token_ids
