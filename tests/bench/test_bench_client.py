@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 
 import httpx
 
-from sits.bench.client import CHAT_COMPLETIONS, COMPLETIONS, build_body, chunk_text, send_streaming
+from sits.bench.client import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    HTTP_LOGGERS,
+    build_body,
+    chunk_text,
+    make_client,
+    send_streaming,
+)
 from sits.bench.records import RequestRecord
 
 
@@ -106,3 +115,31 @@ def test_connection_errors_are_recorded_without_a_status() -> None:
     assert (record.ok, record.status) == (False, None)
     assert record.error == "ConnectError: connection refused"
     assert record.e2e_s is not None and record.ttft_s is None
+
+
+def test_make_client_silences_httpx_request_logs(caplog) -> None:
+    """httpx logs each request at INFO; the benchmark's client must not (one line per request
+    on stderr)."""
+    levels = {name: logging.getLogger(name).level for name in HTTP_LOGGERS}
+
+    async def one_request(client: httpx.AsyncClient) -> None:
+        async with client:
+            await client.get("http://s/health")
+
+    def mocked() -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(lambda _r: httpx.Response(200)))
+
+    try:
+        for name in HTTP_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+        caplog.set_level(logging.INFO)
+        asyncio.run(one_request(mocked()))
+        assert [r.name for r in caplog.records] == ["httpx"]  # what users saw
+        caplog.clear()
+        asyncio.run(make_client(5.0).aclose())
+        assert all(logging.getLogger(n).level == logging.WARNING for n in HTTP_LOGGERS)
+        asyncio.run(one_request(mocked()))
+        assert caplog.records == []
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

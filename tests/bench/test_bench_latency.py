@@ -12,6 +12,7 @@ from sits.bench.roofline import StepShape
 from sits.bench.shapes import write_shape_dir
 from sits.bench.steps import StepRecorder
 from sits.cli.main import main
+from tests.bench.offline_checks import check_gpu_only_roofline
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +49,9 @@ def test_latency_counts_every_request_and_step(tmp_path, capsys, monkeypatch) ->
     assert printed.startswith("Command: ")
     assert "| (ms) | mean | p50 | p99 | count |" in printed
     assert "| TTFT |" in printed and "| TPOT |" in printed
+    assert printed.count("Command: ") == 1
+    for roofline in doc["rooflines"].values():
+        check_gpu_only_roofline(doc["model"]["device"], roofline, printed)
 
 
 def test_chunked_prefill_steps_count_until_every_first_token() -> None:

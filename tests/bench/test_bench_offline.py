@@ -17,6 +17,7 @@ from sits.bench.roofline import StepShape
 from sits.bench.shapes import write_shape_dir
 from sits.bench.steps import StepRecorder
 from sits.cli.main import main
+from tests.bench.offline_checks import check_gpu_only_roofline
 
 # transformers < 5.23 sizes its continuous-batching cache on the CPU with psutil (without it:
 # "available memory 0"); 5.24 does without.
@@ -68,6 +69,8 @@ def test_throughput_reports_exact_token_counts(tmp_path, capsys, monkeypatch) ->
     assert "--random-weights tiny-qwen3-moe" in printed.splitlines()[0]
     assert "| engine | workload | requests/s | output tok/s | total tok/s | roofline |" in printed
     assert "| sits | 4 x 16 in / 5 out |" in printed
+    assert printed.count("Command: ") == 1
+    check_gpu_only_roofline(doc["model"]["device"], doc["roofline"], printed)
 
 
 def test_step_recorder_sees_each_step_exactly() -> None:

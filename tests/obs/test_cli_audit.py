@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 
 from sits.cli.audit import add_audit_parser
 from sits.obs.audit import AuditLogError
-from tests.obs.records import write_log
+from sits.obs.audit_writer import AuditWriter, AuditWriterConfig
+from tests.obs.records import make_record, write_log
 
 
 def _run(argv: list[str]) -> int:
@@ -73,6 +75,53 @@ def test_show(log_path: Path, capsys) -> None:
     assert record["request_id"] == "req-1" and record["outputs"][0]["token_ids"] == [101, 102, 103]
     assert _run(["audit", "show", "req-9", "--log", str(log_path)]) == 1
     assert "no audit record for request req-9" in capsys.readouterr().err
+
+
+def _write_ids(path: Path, request_ids: list[str]) -> None:
+    """A log of `make_record(i)` renamed to `request_ids[i]`, in that order."""
+    with AuditWriter(AuditWriterConfig(path=str(path))) as writer:
+        for i, request_id in enumerate(request_ids):
+            assert writer.submit(dataclasses.replace(make_record(i), request_id=request_id))
+
+
+def _shown(out: str) -> list[dict]:
+    decoder = json.JSONDecoder()
+    records, pos = [], 0
+    while pos < len(out):
+        record, end = decoder.raw_decode(out, pos)
+        records.append(record)
+        pos = end + 1  # the newline print adds
+    return records
+
+
+def test_show_multi_prompt_request_by_the_client_id(log_path: Path, capsys) -> None:
+    # prompt 1 of cmpl-ab finished first; cmpl-ab2 and cmpl-ab-x are other requests
+    ids = ["cmpl-ab-1", "cmpl-ab2", "cmpl-ab-0", "cmpl-ab-x", "cmpl-ab-10", "cmpl-c"]
+    _write_ids(log_path, ids)
+    assert _run(["audit", "show", "cmpl-ab", "--log", str(log_path)]) == 0
+    shown = _shown(capsys.readouterr().out)
+    assert [r["request_id"] for r in shown] == ["cmpl-ab-0", "cmpl-ab-1", "cmpl-ab-10"]
+    assert _run(["audit", "show", "cmpl-ab-1", "--log", str(log_path)]) == 0
+    assert [r["request_id"] for r in _shown(capsys.readouterr().out)] == ["cmpl-ab-1"]
+    assert _run(["audit", "show", "cmpl-c", "--log", str(log_path)]) == 0
+    assert [r["request_id"] for r in _shown(capsys.readouterr().out)] == ["cmpl-c"]
+    assert _run(["audit", "show", "cmpl-a", "--log", str(log_path)]) == 1
+
+
+def test_show_into_a_closed_pipe_exits_quietly(log_path: Path) -> None:
+    # ~1 MB of output: more than a pipe buffer, so the write fails whatever the timing
+    _write_ids(log_path, [f"cmpl-big-{i}" for i in range(400)])
+    argv = ["audit", "show", "cmpl-big", "--log", str(log_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sits.cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `| head` that has read enough
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_main_subprocess_when_wired(log_path: Path) -> None:

@@ -21,6 +21,14 @@ def test_admin_key_from_flag_then_environment() -> None:
     assert resolve_admin_key(_parse([]), {"SITS_ADMIN_KEY": ""}) is None
 
 
+def test_admin_key_help_names_the_dashboard_data() -> None:
+    parser = argparse.ArgumentParser(prog="sits")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    (action,) = [a for a in serve._actions if "--admin-key" in a.option_strings]
+    assert "/v1/admin" in action.help and "/dashboard/data" in action.help
+
+
 def test_expert_health_flags() -> None:
     args = _parse([])
     assert (args.expert_freeze_after, args.restore_frozen_experts) == (3, False)

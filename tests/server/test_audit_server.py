@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import httpx
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sits.obs import find_records, verify_log
+from sits.obs.tracing import TracingSettings
 from sits.server.audit_sink import AuditSettings
 from sits.server.context import ServerSettings
 from tests.server.live import LiveServer, metric_samples
@@ -87,6 +89,36 @@ def test_audit_one_record_per_request(tmp_path, tiny_moe_dir, engine_factory) ->
     (rec_abort,) = find_records(log, aborted)
     assert rec_abort["outputs"][0]["finish_reason"] == "abort"
     assert rec_abort["sampling"]["logprobs"] is None  # the user's params
+    assert [r["trace_id"] for r in lines] == [None] * len(lines)  # tracing is off
+
+
+def test_audit_records_carry_the_trace_id(tmp_path, tiny_moe_dir, engine_factory) -> None:
+    log = tmp_path / "audit.jsonl"
+    exporter = InMemorySpanExporter()
+    settings = ServerSettings(
+        audit=AuditSettings(path=str(log)),
+        tracing=TracingSettings(sample_ratio=1.0, exporter=exporter),
+    )
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with LiveServer(engine_factory(tiny_moe_dir), settings) as live, live.http() as http:
+        single = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        multi = http.post("/v1/completions", json={"prompt": ["a b", "c d"], "max_tokens": 2})
+        chat = http.post("/v1/chat/completions", json=chat_body)
+    # the server has stopped: every span is exported and every record written
+    roots = {
+        span.attributes["gen_ai.response.id"]: format(span.context.trace_id, "032x")
+        for span in exporter.get_finished_spans()
+        if span.parent is None and span.name.startswith("POST ")
+    }
+    for resp, suffixes in ((single, [""]), (multi, ["-0", "-1"]), (chat, [""])):
+        assert resp.status_code == 200, resp.text
+        request_id = resp.json()["id"]
+        trace_id = roots[request_id]
+        assert resp.headers["traceparent"].split("-")[1] == trace_id
+        for suffix in suffixes:
+            (record,) = find_records(log, request_id + suffix)
+            assert record["trace_id"] == trace_id
+    assert len(set(roots.values())) == 3
 
 
 def test_responses_identical_with_and_without_audit(tmp_path, tiny_moe_dir, engine_factory) -> None:

@@ -251,6 +251,7 @@ def test_c08_chat_prompt_too_long(client, model_name) -> None:
         ("completions", {"logprobs": -1}, "logprobs"),
         ("completions", {"logprobs": 21}, "logprobs"),
         ("completions", {"max_tokens": -5}, "max_tokens"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo (C03)
         ("completions", {"min_p": 2}, "min_p"),
         ("completions", {"stop": [""]}, "stop"),
         ("completions", {"seed": 2**64}, "seed"),
@@ -262,6 +263,8 @@ def test_c08_chat_prompt_too_long(client, model_name) -> None:
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat/completions", {"max_tokens": -5}, "max_tokens"),
         ("chat/completions", {"max_completion_tokens": -5}, "max_completion_tokens"),
+        ("chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ],
 )
 def test_c09_invalid_sampling_parameters(server, model_name, endpoint, extra, param) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +14,7 @@ from tests.server.live import LiveServer, metric_samples
 NUM_REQUESTS = 20
 NUM_PROMPT_TOKENS = 500
 NUM_OUTPUT_TOKENS = 64
+_JSON = {"Content-Type": "application/json"}
 
 
 def _stream_one(base_url: str, index: int) -> tuple[float, dict]:
@@ -85,3 +87,43 @@ def test_c16_metrics_match_reality(tiny_moe_dir, engine_factory) -> None:
     assert value("sits:num_requests_running") == 0
     assert value("sits:num_requests_waiting") == 0
     assert value("sits:kv_cache_usage_perc") == 0
+
+
+OUTCOME_OF_STATUS = {200: "ok", 400: "400", 404: "404"}
+
+
+def _tenant_outcomes(live: LiveServer, tenant: str) -> dict[str, float]:
+    with live.http() as http:
+        samples = metric_samples(http.get("/metrics").text)
+    return {
+        dict(labels)["outcome"]: value
+        for (name, labels), value in samples.items()
+        if name == "sits:tenant_requests_total" and dict(labels)["tenant"] == tenant
+    }
+
+
+def test_c16_request_outcomes_match_what_clients_saw(server) -> None:
+    """Every answer is counted once under the outcome of its status: an unknown model as 404,
+    bodies refused before the handler (invalid JSON, a wrong type, not an object) as 400."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    requests = [
+        ("/v1/completions", {"json": {"prompt": "a b", "max_tokens": 2}}),
+        ("/v1/completions", {"json": {"prompt": "a b", "max_tokens": 2, "model": "nope"}}),
+        ("/v1/chat/completions", {"json": {**chat, "model": "nope"}}),
+        ("/v1/completions", {"content": b'{"model":', "headers": _JSON}),
+        ("/v1/chat/completions", {"content": b'{"messages": [', "headers": _JSON}),
+        ("/v1/completions", {"json": {"prompt": "a b", "temperature": "abc"}}),
+        ("/v1/chat/completions", {"json": {**chat, "temperature": "abc"}}),
+        ("/v1/completions", {"json": [1]}),
+        ("/v1/completions", {"json": {"prompt": "a b", "max_tokens": -1}}),
+        ("/v1/chat/completions", {"json": chat}),
+    ]
+    before = _tenant_outcomes(server, "default")
+    with server.http() as http:
+        statuses = [http.post(path, **kwargs).status_code for path, kwargs in requests]
+    after = _tenant_outcomes(server, "default")
+    assert statuses == [200, 404, 404, 400, 400, 400, 400, 400, 400, 200]
+    seen = Counter(OUTCOME_OF_STATUS[status] for status in statuses)
+    counted = {outcome: after[outcome] - before.get(outcome, 0.0) for outcome in after}
+    assert counted == {outcome: float(seen[outcome]) for outcome in after}
+    assert set(seen) <= set(after)

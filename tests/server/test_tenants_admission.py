@@ -37,6 +37,7 @@ TENANTS = TenantsConfig(
         tenant("small", max_tokens_per_request=8, max_prompt_tokens=20),
         tenant("drop", max_concurrent=1, tokens_per_minute=100_000),
         tenant("gold", tier=Tier.GUARANTEED, reserved_kv_fraction=0.5),
+        tenant("sloppy"),
     )
 )
 
@@ -207,6 +208,34 @@ def test_per_request_limits_are_400_naming_the_param(live) -> None:
     assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
     assert fits.status_code == 200
     assert scrape(live)("sits:tenant_requests_total", tenant="small", outcome="400") == 2
+
+
+def test_refused_bodies_count_for_their_tenant(live) -> None:
+    """A body refused before the handler runs is the 400 of the key's tenant; without a
+    known key it is the 401 any other body would get, and no tenant's."""
+    bad_json = b'{"model":'
+    json_type = {"Content-Type": "application/json"}
+    with live.http() as http:
+        statuses = [
+            http.post(
+                "/v1/completions", content=bad_json, headers={**json_type, **auth("sloppy")}
+            ).status_code,
+            _complete(http, "sloppy", temperature="abc").status_code,
+            http.post("/v1/chat/completions", json=[1], headers=auth("sloppy")).status_code,
+            _complete(http, "sloppy", model="nope").status_code,
+        ]
+        unknown = http.post(
+            "/v1/completions",
+            content=bad_json,
+            headers={**json_type, "Authorization": "Bearer not-a-key"},
+        )
+    assert statuses == [400, 400, 400, 404]
+    assert unknown.status_code == 401
+    assert unknown.json()["error"]["code"] == "invalid_api_key"
+    value = scrape(live)
+    assert value("sits:tenant_requests_total", tenant="sloppy", outcome="400") == 3
+    assert value("sits:tenant_requests_total", tenant="sloppy", outcome="404") == 1
+    assert value("sits:tenant_requests_total", tenant="sloppy", outcome="ok") == 0
 
 
 def test_c19_official_client_retries_after_retry_after(tiny_moe_dir) -> None:

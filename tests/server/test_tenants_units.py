@@ -143,7 +143,7 @@ def test_outcomes_and_engine_failures() -> None:
         (draining_error(), Outcome.UNAVAILABLE, False),
         (ServerError(503, "x", code="overloaded"), Outcome.UNAVAILABLE, False),
         (ServerError(429, "x"), Outcome.RATE_LIMITED, False),
-        (ServerError(404, "x"), Outcome.BAD_REQUEST, False),
+        (ServerError(404, "x"), Outcome.NOT_FOUND, False),
         (PromptTooLongError("x"), Outcome.BAD_REQUEST, False),
         (InvalidParameterError("p", "x"), Outcome.BAD_REQUEST, False),
     ]

@@ -8,6 +8,7 @@ import pytest
 
 from sits.core.errors import SitsError
 from sits.tenancy import TenantConfigError, Tier, hash_api_key, load_tenants, parse_tenants
+from sits.tenancy.loader import find_tenants_errors
 
 H1 = hash_api_key("key-one")
 H2 = hash_api_key("key-two")
@@ -170,3 +171,34 @@ def test_file_errors_name_the_real_path(tmp_path: Path) -> None:
     with pytest.raises(TenantConfigError) as info:
         load_tenants(path)
     assert str(info.value).startswith(f"{path}:4: tenants[0] field 'max_concurrent': ")
+
+
+@pytest.mark.parametrize(("text", "line", "field", "index", "snippet"), MALFORMED)
+def test_check_finds_the_one_error_load_stops_at(text, line, field, index, snippet) -> None:
+    """No spurious errors: a file with one error has exactly the error loading raises."""
+    with pytest.raises(TenantConfigError) as info:
+        parse_tenants(text, source="t.toml")
+    (found,) = find_tenants_errors(text, source="t.toml")
+    assert (found.line, found.field, found.tenant_index) == (line, field, index)
+    assert str(found) == str(info.value)
+
+
+def test_check_finds_every_error() -> None:
+    h3, h4 = hash_api_key("key-three"), hash_api_key("key-four")
+    text = (
+        _tenant('tier = "gold"\nweight = -1\nmax_concurent = 3\n')  # lines 4, 5, 6
+        + f'\n[[tenants]]\nid = "b"\napi_key_sha256 = ["{H2}"]\nrequests_per_minute = 0\n'
+        + f'\n[[tenants]]\nid = "d"\napi_key_sha256 = ["{h3}"]\n'
+        + f'\n[[tenants]]\nid = "e"\napi_key_sha256 = ["{h3}"]\n'  # line 19: d's key
+        + f'\n[[tenants]]\nid = "c c"\napi_key_sha256 = ["{h4}"]\n'  # line 22
+    )
+    found = [(e.line, e.field, e.tenant_index) for e in find_tenants_errors(text, "t.toml")]
+    assert found == [
+        (4, "tier", 0),
+        (5, "weight", 0),
+        (6, "max_concurent", 0),
+        (11, "requests_per_minute", 1),
+        (19, "api_key_sha256", 3),
+        (22, "id", 4),
+    ]
+    assert find_tenants_errors(_tenant("") + 'tier = "burstable"\n') == []

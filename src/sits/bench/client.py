@@ -11,11 +11,14 @@ no content. Timing, on `time.perf_counter`:
 Any failure (HTTP status != 200, an error event in the stream, a stream cut before `[DONE]`,
 a connection error or timeout, unparsable data) is recorded in the `RequestRecord`, never
 raised: one bad request must not end a run.
+httpx logs every request at INFO; `make_client` raises its (and httpcore's) loggers to WARNING
+so a run does not print one line per request on stderr.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -27,6 +30,7 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
 _MAX_ERROR_CHARS = 300
+HTTP_LOGGERS = ("httpx", "httpcore")
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -34,9 +38,17 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def quiet_http_logs() -> None:
+    """Set the httpx and httpcore loggers to WARNING (at INFO httpx logs every request)."""
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def make_client(timeout_s: float) -> httpx.AsyncClient:
     """An async client without a connection cap (httpx's default of 100 would silently bound
-    the concurrency) and with `timeout_s` for connect, read, write and pool waits."""
+    the concurrency) and with `timeout_s` for connect, read, write and pool waits; the HTTP
+    libraries' per-request logs are silenced (`quiet_http_logs`)."""
+    quiet_http_logs()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
 

@@ -30,6 +30,7 @@ from sits.bench.metrics import percentile
 from sits.bench.offline_common import (
     add_offline_args,
     base_doc,
+    fraction_text,
     header_lines,
     markdown_table,
     offline_setup,
@@ -208,10 +209,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def format_latency(doc: dict[str, Any]) -> str:
-    """The printed report: command, machine and model first, a markdown table last."""
+def format_latency(doc: dict[str, Any], with_command: bool = True) -> str:
+    """The printed report: command (unless `with_command` is False: printed already), machine
+    and model first, a markdown table last."""
     w = doc["workload"]
-    lines = header_lines(doc)
+    lines = header_lines(doc, with_command)
     lines.append(
         f"Workload: batch {w['batch_size']} x {w['input_len']} in / {w['output_len']} out "
         f"({w['sampling']}), {w['num_iters']} iterations after {w['num_iters_warmup']} warm-up; "
@@ -233,23 +235,18 @@ def format_latency(doc: dict[str, Any]) -> str:
     lines.append(
         f"batch {w['batch_size']}, {w['input_len']} in / {w['output_len']} out: decode "
         f"{_fmt(doc['decode_output_tokens_per_s'], 1)} output tok/s, decode roofline "
-        f"{_fraction(doc['rooflines']['decode'])}, prefill roofline "
-        f"{_fraction(doc['rooflines']['prefill'])}"
+        f"{fraction_text(doc['rooflines']['decode'])}, prefill roofline "
+        f"{fraction_text(doc['rooflines']['prefill'])}"
     )
     lines.append("")
     lines += markdown_table(["(ms)", "mean", "p50", "p99", "count"], rows)
     return "\n".join(lines)
 
 
-def _fraction(roofline: dict[str, Any]) -> str:
-    fraction = roofline["fraction"]
-    return "-" if fraction is None else f"{100 * fraction:.1f} %"
-
-
 def run_latency(args: argparse.Namespace) -> int:
     """`sits bench latency`: run, print the report, write --output-json; exit code 0."""
     print(f"Command: {command_line()}", flush=True)
     doc = run_latency_benchmark(args)
-    print(format_latency(doc))
+    print(format_latency(doc, with_command=False))  # the command was printed first
     write_json(args.output_json, doc)
     return 0

@@ -25,6 +25,7 @@ from sits.bench.offline_common import (
     OfflineSetup,
     add_offline_args,
     base_doc,
+    fraction_text,
     header_lines,
     markdown_table,
     offline_setup,
@@ -187,11 +188,12 @@ def run_throughput_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def format_throughput(doc: dict[str, Any]) -> str:
-    """The printed report: command, machine and model first, a markdown table last."""
+def format_throughput(doc: dict[str, Any], with_command: bool = True) -> str:
+    """The printed report: command (unless `with_command` is False: printed already), machine
+    and model first, a markdown table last."""
     w, s = doc["workload"], doc["sits"]
     expected = w["num_prompts"] * w["output_len"]
-    lines = header_lines(doc)
+    lines = header_lines(doc, with_command)
     lines.append(
         f"Workload: {w['num_prompts']} prompts x {w['input_len']} in / {w['output_len']} out "
         f"({w['sampling']}, seed {w['seed']})"
@@ -212,7 +214,6 @@ def format_throughput(doc: dict[str, Any]) -> str:
         )
     headers = ["engine", "workload", "requests/s", "output tok/s", "total tok/s", "roofline"]
     shape = f"{w['num_prompts']} x {w['input_len']} in / {w['output_len']} out"
-    fraction = doc["roofline"]["fraction"]
     rows = [
         [
             "sits",
@@ -220,7 +221,7 @@ def format_throughput(doc: dict[str, Any]) -> str:
             f"{s['requests_per_s']:.2f}",
             f"{s['output_tokens_per_s']:.1f}",
             f"{s['total_tokens_per_s']:.1f}",
-            "-" if fraction is None else f"{100 * fraction:.1f} %",
+            fraction_text(doc["roofline"]),
         ]
     ]
     if peer is not None:
@@ -246,6 +247,6 @@ def run_throughput(args: argparse.Namespace) -> int:
     """`sits bench throughput`: run, print the report, write --output-json; exit code 0."""
     print(f"Command: {command_line()}", flush=True)
     doc = run_throughput_benchmark(args)
-    print(format_throughput(doc))
+    print(format_throughput(doc, with_command=False))  # the command was printed first
     write_json(args.output_json, doc)
     return 0

@@ -4,8 +4,9 @@
   `--input-len`, `--output-len` and `--output-json`;
 - `OfflineSetup`: the `EngineConfig` those flags give (always token ids in and out:
   `skip_tokenizer_init`; `--random-weights` = a shape directory with dummy weights);
-- seeded random token-id prompts; the roofline of recorded steps; the printed header, markdown
-  tables and the JSON file.
+- seeded random token-id prompts; the roofline of recorded steps (its fraction only for a run on
+  a CUDA device: the ceilings are the GPU's); the printed header, markdown tables and the JSON
+  file.
 """
 
 from __future__ import annotations
@@ -110,13 +111,21 @@ def step_roofline(
     llm: Any, label: str, shapes: list[StepShape], measured_s: float
 ) -> dict[str, Any]:
     """The roofline (`sits.bench.roofline.roofline_json`) of `shapes` run by `llm`'s engine in
-    `measured_s` seconds, against the H200's ceilings."""
+    `measured_s` seconds, against the H200's ceilings.
+
+    Adds "on_gpu" (the engine ran on a CUDA device); when it did not, "fraction" is None: the
+    GPU's ceilings say nothing about a CPU run.
+    """
     runner = llm.engine_core.runner
     model = ModelShape.from_decoder_config(runner.model.config)
     weight_bytes = runner.dtype.itemsize
     kv_bytes = _KV_ELEM_BYTES.get(runner.kv_cache_dtype, weight_bytes)
     costs = [step_cost(model, s, H200, weight_bytes, kv_bytes) for s in shapes]
-    return roofline_json(label, costs, measured_s, H200)
+    doc = roofline_json(label, costs, measured_s, H200)
+    doc["on_gpu"] = runner.device.type == "cuda"
+    if not doc["on_gpu"]:
+        doc["fraction"] = None
+    return doc
 
 
 def base_doc(schema: str, setup: OfflineSetup, llm: Any | None) -> dict[str, Any]:
@@ -150,13 +159,14 @@ def base_doc(schema: str, setup: OfflineSetup, llm: Any | None) -> dict[str, Any
     }
 
 
-def header_lines(doc: dict[str, Any]) -> list[str]:
-    """The report's first lines: the exact command, the machine and the model."""
+def header_lines(doc: dict[str, Any], with_command: bool = True) -> list[str]:
+    """The report's first lines: the exact command (unless already printed: `with_command`
+    False), the machine and the model."""
     machine = doc["machine"]
     gpus = machine.get("gpus") or []
     model = doc["model"]
-    return [
-        f"Command: {doc['command']}",
+    command = [f"Command: {doc['command']}"] if with_command else []
+    return command + [
         f"Machine: {machine.get('cpu')} ({machine.get('num_cpus')} CPUs), "
         f"{f'{len(gpus)}x {gpus[0]}' if gpus else 'no GPU'}; torch {machine.get('torch')}",
         f"Model: {model['label']} ({model.get('dtype', '?')} on {model.get('device', '?')}, "
@@ -165,11 +175,20 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def roofline_lines(roofline: dict[str, Any]) -> list[str]:
-    """Readable lines of one roofline summary."""
+    """Readable lines of one roofline summary (without the ideal-vs-measured line when the
+    run was not on a GPU: "on_gpu" False)."""
     hw = roofline["hardware"]
     fraction = roofline["fraction"]
     achieved_bw = roofline["achieved_bytes_s"] or 0.0
     achieved_flops = roofline["achieved_flops_s"] or 0.0
+    if not roofline.get("on_gpu", True):
+        return [
+            f"Roofline ({roofline['label']}, {roofline['num_steps']} steps): not computed, "
+            f"this run is not on a GPU (the roofline against {hw['name']} applies to the GPU "
+            f"only);",
+            f"  per step: {roofline['bytes_per_step'] / 1e9:.3f} GB read, "
+            f"{roofline['flops_per_step'] / 1e9:.2f} GFLOP",
+        ]
     return [
         f"Roofline ({roofline['label']}, {roofline['num_steps']} steps) against "
         f"{hw['bandwidth_bytes_s'] / 1e12:.1f} TB/s and {hw['matmul_flops_s'] / 1e12:.0f} "
@@ -183,6 +202,14 @@ def roofline_lines(roofline: dict[str, Any]) -> list[str]:
         f"{'-' if fraction is None else f'{100 * fraction:.1f} %'} of the roofline "
         f"(achieved {achieved_bw / 1e12:.3f} TB/s, {achieved_flops / 1e12:.2f} TFLOP/s)",
     ]
+
+
+def fraction_text(roofline: dict[str, Any]) -> str:
+    """The roofline fraction as printed: "12.3 %", "-" when unknown, or "n/a (no GPU)"."""
+    if not roofline.get("on_gpu", True):
+        return "n/a (no GPU)"
+    fraction = roofline["fraction"]
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
 
 
 def markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sits.bench.client import COMPLETIONS, ENDPOINTS
+from sits.bench.client import COMPLETIONS, ENDPOINTS, quiet_http_logs
 from sits.bench.mix import load_tenants_mix
 from sits.bench.probe import PROMPT_FORMATS
 from sits.bench.report import build_result, command_line, format_report, machine_info
@@ -180,6 +180,7 @@ def write_json(doc: dict[str, Any], path: str) -> None:
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run `sits bench serve` with parsed flags; returns the exit code (see module)."""
+    quiet_http_logs()  # the server's health polls too
     config = config_from_args(args, dict(os.environ))
     command = getattr(args, "command_line", None) or command_line()
     doc = run_config(config, command, gpu_info=args.gpu_info)

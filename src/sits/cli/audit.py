@@ -3,15 +3,20 @@
 Exit codes of `verify`: 0 the chain is intact (a torn last line from a crash mid-write is
 printed as a warning on stderr and still exits 0); 1 the chain breaks (the first breaking line
 is named: file, line number, request id when readable, reason); 2 (from `sits.cli.main`) the log
-does not exist. `show` prints every record of that request id as indented JSON, exit 1 if none.
+does not exist. `show` prints every record of the request id a client got as indented JSON (a
+completion with several prompts has one record per prompt, `ID-0`, `ID-1`, ...: all of them, in
+prompt order), exit 1 if none. A reader that stops early (`| head`) ends either quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import re
 import sys
+from collections.abc import Callable
 
 from sits.core.errors import InvalidParameterError
 
@@ -30,11 +35,46 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
         help="expected prev_hash of the oldest record (default: 64 zeros, the genesis value); "
         "give the last hash of older files archived elsewhere",
     )
-    v.set_defaults(func=run_verify)
-    s = sub.add_parser("show", help="print the audit record of one request")
-    s.add_argument("request_id", help="the request id (as returned to the client)")
+    v.set_defaults(func=_quiet_on_broken_pipe(run_verify))
+    s = sub.add_parser("show", help="print the audit record(s) of one request")
+    s.add_argument(
+        "request_id",
+        help="the request id as returned to the client (a completion with several prompts "
+        "shows the record of each prompt)",
+    )
     s.add_argument("--log", required=True, dest="path", help="the audit log file")
-    s.set_defaults(func=run_show)
+    s.set_defaults(func=_quiet_on_broken_pipe(run_show))
+
+
+def _quiet_on_broken_pipe(
+    run: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """`run`, ending with exit code 0 and no traceback when stdout's reader has gone."""
+
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            code = run(args)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:
+            _discard_stdout()
+            return 0
+
+    return wrapped
+
+
+def _discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush cannot fail."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured output)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -72,14 +112,15 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    """Print the request's record(s) as indented JSON; 1 when there is none.
+    """Print the request's record(s) as indented JSON (`find_request_records`); 1 when
+    there is none.
 
     Raises:
         AuditLogError: no log at the path.
     """
-    from sits.obs.audit_verify import find_records
+    from sits.obs.audit_verify import find_request_records
 
-    records = find_records(args.path, args.request_id)
+    records = find_request_records(args.path, args.request_id)
     if not records:
         print(f"no audit record for request {args.request_id} in {args.path}", file=sys.stderr)
         return 1

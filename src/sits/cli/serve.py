@@ -4,7 +4,8 @@
 builds the app and serves until SIGTERM (exit 0 after the drain) or engine death (exit 1).
 With no model the built-in demo model `sits-demo` is served (`sits.demo`). The API key comes
 from --api-key or else the SITS_API_KEY environment variable, read here at run time; the
-admin key of /v1/admin likewise from --admin-key or else SITS_ADMIN_KEY.
+admin key of /v1/admin (which also protects /dashboard/data) likewise from --admin-key or else
+SITS_ADMIN_KEY.
 With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded before any
 model work; a malformed file exits 2 with the file, line and field named, and an API key
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
@@ -51,7 +52,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--admin-key",
         default=None,
         help=f"enable /v1/admin (MoE expert stats, freeze/unfreeze) with this bearer key (also "
-        f"${ADMIN_KEY_ENV}); without it those routes answer 404",
+        f"${ADMIN_KEY_ENV}); the key also protects the dashboard's data, /dashboard/data (401 "
+        "without it, 403 with a wrong one). Without it the admin routes answer 404 and "
+        "/dashboard/data is open, like /metrics",
     )
     p.add_argument(
         "--expert-freeze-after",

@@ -3,7 +3,8 @@
 `hash-key` prints the SHA-256 hex of an API key, the value to put in `api_key_sha256` (keys are
 never stored in clear). Pass `-` to read the key from stdin (keeps it out of shell history and
 process lists); one trailing newline (LF or CRLF) is dropped. `check` validates a tenants.toml
-and prints one line per tenant.
+and prints one line per tenant, or every error it finds (each with its line and field) on
+stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import sys
 
 from sits.core.errors import InvalidParameterError
+
+EXIT_BAD_FILE = 2  # as `sits serve --tenants` with a malformed file
 
 
 def add_tenants_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,13 +53,18 @@ def run_hash_key(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Load the file and print each tenant's summary.
+    """Print each tenant's summary (0), or every error of the file on stderr (2).
 
-    Raises:
-        TenantConfigError: the file is malformed (message names line and field).
+    Errors are `TenantConfigError` messages: file, line, tenant and field.
     """
-    from sits.tenancy.loader import load_tenants
+    from sits.tenancy.loader import check_tenants, load_tenants
 
+    errors = check_tenants(args.path)
+    if errors:
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+        print(f"{len(errors)} error(s) in {args.path}", file=sys.stderr)
+        return EXIT_BAD_FILE
     tenants = load_tenants(args.path)
     for t in tenants:
         print(

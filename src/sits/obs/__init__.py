@@ -23,6 +23,7 @@ from sits.obs.audit_verify import (
     TornTail,
     VerifyResult,
     find_records,
+    find_request_records,
     verify_log,
 )
 from sits.obs.audit_writer import AuditWriter, AuditWriterConfig, AuditWriterStats
@@ -44,6 +45,7 @@ __all__ = [
     "audit_series",
     "chain_hash",
     "find_records",
+    "find_request_records",
     "samples_from_outputs",
     "to_jsonable",
     "verify_log",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -39,6 +40,8 @@ from sits.obs.audit import (
     chain_hash,
     encode_line,
 )
+
+_INDEX_RE = re.compile(r"[0-9]+")  # the prompt index of a record id `request_id-<index>`
 
 
 class BreakReason(StrEnum):
@@ -169,6 +172,39 @@ def find_records(path: str | os.PathLike[str], request_id: str) -> list[dict[str
         if record is not None and record.get("request_id") == request_id:
             found.append(record)
     return found
+
+
+def find_request_records(path: str | os.PathLike[str], request_id: str) -> list[dict[str, Any]]:
+    """Every record of one HTTP request: those whose `request_id` is `request_id` itself,
+    else (a completion with several prompts is logged one record per prompt) those whose id
+    is `request_id` followed by `-<prompt index>`, ordered by index (log order within one).
+
+    Unparseable lines are skipped (use `verify_log` to judge integrity).
+
+    Raises:
+        AuditLogError: no file of the series exists.
+    """
+    files = audit_series(path)
+    if not files:
+        raise AuditLogError(f"no audit log at {os.fspath(path)}")
+    needle = json.dumps(request_id, ensure_ascii=False).encode("utf-8")[:-1]  # no closing "
+    prefix = request_id + "-"
+    exact: list[dict[str, Any]] = []
+    by_index: list[tuple[int, int, dict[str, Any]]] = []
+    for number, line in enumerate(_lines(files)):
+        if needle not in line.raw:  # cheap pre-filter before parsing
+            continue
+        record, _ = _parse(line.raw)
+        found_id = None if record is None else record.get("request_id")
+        if not isinstance(found_id, str):
+            continue
+        if found_id == request_id:
+            exact.append(record)
+        elif found_id.startswith(prefix) and _INDEX_RE.fullmatch(found_id[len(prefix) :]):
+            by_index.append((int(found_id[len(prefix) :]), number, record))
+    if exact:
+        return exact
+    return [record for _, _, record in sorted(by_index, key=lambda item: item[:2])]
 
 
 def _lines(files: list[str]) -> Iterator[_Line]:

@@ -26,6 +26,7 @@ from sits.server.errors import install_error_handlers
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos_headers import QosHeadersMiddleware
 from sits.server.routes import api_router, ops_router
+from sits.server.serving_common import count_invalid_body
 from sits.server.tracing import TracingMiddleware
 
 
@@ -80,7 +81,7 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.ctx = ctx
-    install_error_handlers(app)
+    install_error_handlers(app, on_invalid_body=count_invalid_body)
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
     if ctx.tracer is not None:  # outermost: sees every status and ends after the stream
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)

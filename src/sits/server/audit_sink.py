@@ -9,6 +9,7 @@ Invariants:
   back to what the user asked (None, or the chosen token plus the user's top N), so responses
   are byte-identical with auditing off;
 - exactly one record per engine request: `finish` is idempotent;
+- a traced request's records carry its trace id (`RequestTrace.trace_id`); None untraced;
 - the weights digest (`weights_digest`) is computed once in a thread started at `start()`;
   records finished before it is known are submitted from that thread when it is;
 - `close()` waits for the digest, then closes the writer (after the server's drain).
@@ -163,9 +164,11 @@ class ServerAudit:
         token_ids: list[int],
         text: str | None,
         params: SamplingParams,
+        trace_id: str | None = None,
     ) -> RequestAudit:
-        """A watcher for one engine request (`params` are the user's)."""
-        return RequestAudit(self, request_id, tenant_id, token_ids, text, params)
+        """A watcher for one engine request (`params` are the user's; `trace_id` the W3C trace
+        id, 32 lowercase hex digits, of the HTTP request when tracing is on, else None)."""
+        return RequestAudit(self, request_id, tenant_id, token_ids, text, params, trace_id)
 
     def submit(self, record: AuditRecord) -> None:
         """Submit `record` with the weights digest (from the digest thread when not known)."""
@@ -189,6 +192,7 @@ class RequestAudit:
         token_ids: list[int],
         text: str | None,
         params: SamplingParams,
+        trace_id: str | None = None,
     ) -> None:
         self.audit = audit
         self.request_id = request_id
@@ -196,6 +200,7 @@ class RequestAudit:
         self.token_ids = list(token_ids)
         self.text = text
         self.params = params
+        self.trace_id = trace_id
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.samples = [CompletionOutput(index=i) for i in range(params.n)]
@@ -241,5 +246,6 @@ class RequestAudit:
             sampling=to_jsonable(self.params),
             samples=samples_from_outputs(self.samples, settings.top_logprobs),
             timings=AuditTimings.from_monotonic(self.arrival_s, self.first_token_s, None),
+            trace_id=self.trace_id,
         )
         self.audit.submit(record)

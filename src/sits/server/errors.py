@@ -10,6 +10,7 @@ Only unexpected exceptions are 500, and their message never carries a traceback.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -127,12 +128,25 @@ def validation_error(exc: RequestValidationError) -> ServerError:
     return ServerError(400, f"{where}: {first.get('msg', 'invalid value')}.", param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Make every error `app` raises an OpenAI error body."""
+InvalidBodyHook = Callable[[Request, ServerError], Awaitable[ServerError]]
+
+
+def install_error_handlers(app: FastAPI, on_invalid_body: InvalidBodyHook | None = None) -> None:
+    """Make every error `app` raises an OpenAI error body.
+
+    Args:
+        app: the application.
+        on_invalid_body: called with a request whose body was refused before its handler ran
+            and the 400 made for it; returns the error to answer (the 400, or a 401 when the
+            request has no tenant) after counting it.
+    """
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        err = validation_error(exc)
+        if on_invalid_body is not None:
+            err = await on_invalid_body(request, err)
+        return error_response(err, headers=err.headers)
 
     @app.exception_handler(ServerError)
     async def _on_server_error(request: Request, exc: ServerError) -> JSONResponse:

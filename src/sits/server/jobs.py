@@ -17,7 +17,8 @@ Invariants:
   generated token delivered.
 - with an audit (`--audit-log`), each engine request is watched by a `RequestAudit` that sees
   every output first and hands on a copy trimmed to the user's logprobs; its record's id is
-  `request_id` (one prompt) or `f"{request_id}-{i}"`; it ends as finished, abort or error.
+  `request_id` (one prompt) or `f"{request_id}-{i}"`; it ends as finished, abort or error, and
+  carries `trace_id` (set by tracing before `start()`; None when the request is not traced).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class GenerationJob:
         )
         self._make_observer = make_observer or (lambda _p: OutputObserver())
         self.audit = audit
+        self.trace_id: str | None = None  # the W3C trace id (32 hex) when traced
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | _PromptDone | BaseException] = (
             asyncio.Queue()
         )
@@ -155,7 +157,12 @@ class GenerationJob:
         if self.audit is not None:
             audit_id = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{index}"
             watcher = self.audit.watch(
-                audit_id, self.tenant_id, prompt.token_ids, prompt.text, prompt.params
+                audit_id,
+                self.tenant_id,
+                prompt.token_ids,
+                prompt.text,
+                prompt.params,
+                trace_id=self.trace_id,
             )
             params = self.audit.engine_params(prompt.params)
         try:

@@ -15,7 +15,10 @@ MoE experts (from `stats.experts`, refreshed by the engine every few steps; abse
 models): `sits:moe_expert_tokens_total{layer,expert}`, `sits:moe_expert_anomalous_checks_total
 {layer,expert}`, `sits:moe_expert_frozen{layer,expert}` (0/1), `sits:moe_expert_imbalance{layer}`
 (max/mean) and the alert counter `sits:moe_expert_auto_freezes_total`; labels are bounded by
-the model's layers x experts.
+the model's layers x experts. Restores from the checkpoint: `sits:moe_expert_restores_total`
+and, of those, `sits:moe_expert_spare_restores_total` (into a spare slot); with spare expert
+slots also `sits:moe_spare_slots{layer,state}`: state "free" = slots ready for the next
+restore, "used" = experts served from a spare slot (restored away from their load-time slot).
 The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
 (`sits.server.tenant_metrics`), when the recorder is given the tenant.
 Also as vLLM: per request, prefill time (first token - first scheduled), decode time (last
@@ -221,6 +224,37 @@ def _expert_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | C
     )
     alerts.add_metric([model_name], float(experts.num_auto_freezes))
     yield from (tokens, anomalous, frozen, imbalance, alerts)
+    yield from _spare_families(experts, model_name)
+
+
+def _spare_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Restore counters and, with spare expert slots, the spare slots per layer."""
+    restores = CounterMetricFamily(
+        "sits:moe_expert_restores",
+        "MoE experts reloaded from the checkpoint.",
+        labels=["model_name"],
+    )
+    restores.add_metric([model_name], float(experts.num_restores))
+    spare_restores = CounterMetricFamily(
+        "sits:moe_expert_spare_restores",
+        "MoE experts reloaded from the checkpoint into a spare slot.",
+        labels=["model_name"],
+    )
+    spare_restores.add_metric([model_name], float(experts.num_spare_restores))
+    yield from (restores, spare_restores)
+    if experts.num_spare_experts == 0:
+        return
+    slots = GaugeMetricFamily(
+        "sits:moe_spare_slots",
+        "Spare expert slots per MoE layer: free (ready for a restore) and used (serving a "
+        "restored expert).",
+        labels=["model_name", "layer", "state"],
+    )
+    for layer in experts.layers:
+        label = str(layer.layer_id)
+        slots.add_metric([model_name, label, "free"], float(layer.num_free_slots))
+        slots.add_metric([model_name, label, "used"], float(layer.num_relocated))
+    yield slots
 
 
 class ServerMetrics:

@@ -7,6 +7,8 @@ Invariants:
 - Values are validated by `SamplingParams` itself (one place); fields whose OpenAI name differs
   from the `SamplingParams` name (`top_logprobs`, `max_completion_tokens`) are checked here so
   the error names the field the client sent.
+- `max_tokens` / `max_completion_tokens` below 1 are refused (vLLM's rule), except
+  `max_tokens: 0` on a completion with `echo` (the prompt's logprobs alone, case C03).
 - A prompt that cannot fit is refused vLLM-style before it reaches the engine: prompt tokens +
   max_tokens > max_model_len is a 400 stating both numbers; with no max_tokens the completion
   may fill the context, and a prompt that leaves no room at all is a 400 too.
@@ -51,6 +53,7 @@ def check_completion_request(req: CompletionRequest) -> None:
         raise unsupported("best_of", "best_of > n is not supported; use n.")
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported.")
+    check_max_tokens("max_tokens", req.max_tokens, allow_zero=bool(req.echo))
     _check_seed(req.seed)
     _check_stream_options(req.stream, req.stream_options is not None)
 
@@ -110,14 +113,26 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
             raise InvalidParameterError(
                 "top_logprobs", "top_logprobs requires logprobs to be true."
             )
+    check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+    check_max_tokens("max_tokens", req.max_tokens)
     _check_seed(req.seed)
     _check_stream_options(req.stream, req.stream_options is not None)
 
 
-def check_max_tokens(param: str, value: int | None) -> None:
-    """Raise InvalidParameterError(param) unless value is None or an integer >= 0."""
-    if value is not None and (isinstance(value, bool) or value < 0):
-        raise InvalidParameterError(param, f"{param} must be an integer >= 0, got {value!r}.")
+def check_max_tokens(param: str, value: int | None, *, allow_zero: bool = False) -> None:
+    """Refuse a token limit below 1, as vLLM does (0 only with `allow_zero`: a completion that
+    echoes its prompt, case C03).
+
+    Raises:
+        InvalidParameterError: naming `param`, unless value is None or an integer >= 1 (>= 0).
+    """
+    if value is None:
+        return
+    lowest = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise InvalidParameterError(
+            param, f"{param} must be an integer >= {lowest}, got {value!r}."
+        )
 
 
 def resolve_max_tokens(

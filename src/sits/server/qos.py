@@ -60,7 +60,8 @@ class Outcome(StrEnum):
     """How a request ended (the `outcome` label of `sits:tenant_requests_total`)."""
 
     OK = "ok"
-    BAD_REQUEST = "400"  # any client error but 429
+    BAD_REQUEST = "400"  # any client error but 404 and 429 (401 has no tenant: not counted)
+    NOT_FOUND = "404"  # an unknown model
     RATE_LIMITED = "429"
     UNAVAILABLE = "503"  # draining, overload shedding, open breaker
     ERROR = "error"  # the engine failed (5xx, engine death)
@@ -81,6 +82,8 @@ def outcome_of(exc: BaseException) -> Outcome:
     if is_engine_failure(exc):
         return Outcome.ERROR
     status = exc.status if isinstance(exc, ServerError) else 400
+    if status == 404:
+        return Outcome.NOT_FOUND
     if status == 429:
         return Outcome.RATE_LIMITED
     if status == 503:

@@ -4,7 +4,9 @@ DELTA outputs.
 `start_request` admits one generation request: the server lifecycle (drain, engine health),
 then the handler's parsing and tokenizing (`prepare`), then QoS (`ServerQos.admit`: breaker,
 overload, rate limits) with the job's whole token reservation; any refusal on the way is
-counted as the tenant's outcome and nothing stays held.
+counted as the tenant's outcome and nothing stays held. A body refused before the handler
+runs (invalid JSON, a field of the wrong type) is counted too, as a 400 of its tenant
+(`count_invalid_body`, C16: the metrics count every answer a client got).
 `serve_job` owns the life of one generation request once it is admitted:
 1. it registers and starts the job, then waits for the first output while watching for a
    disconnect, so engine-side refusals (prompt too long for the KV cache, ...) are still an
@@ -31,7 +33,7 @@ from pydantic import BaseModel
 
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import Logprob, RequestOutput
-from sits.server.auth import request_tenant
+from sits.server.auth import request_tenant, require_tenant
 from sits.server.context import ServerContext
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
@@ -39,6 +41,7 @@ from sits.server.jobs import GenerationJob
 from sits.server.lifecycle import Ticket
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos import Outcome, QosTicket, outcome_of
+from sits.server.qos_headers import TENANT_STATE_KEY
 from sits.server.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -52,6 +55,7 @@ from sits.tenancy import TenantConfig
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; nobody reads it
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 Item = tuple[int, RequestOutput]
 StreamRenderer = Callable[[AsyncIterator[Item]], AsyncIterator[str]]
@@ -236,6 +240,39 @@ def start_request(
     if trace is not None:
         trace.watch(job)
     return ticket, qos, job
+
+
+async def count_invalid_body(raw: Request, err: ServerError) -> ServerError:
+    """Count a request whose body was refused before its handler ran; the error to answer.
+
+    FastAPI parses the JSON before it runs the routes' dependencies, so invalid JSON reaches
+    here with no tenant: the key is checked now (a missing or unknown key is the 401 it would
+    have been with a valid body). A generation request then counts as a 400 of its tenant in
+    `sits:tenant_requests_total`, as a refusal inside the handler does.
+
+    Args:
+        raw: the HTTP request.
+        err: the 400 made for the refused body.
+
+    Returns:
+        `err`, or the 401 of a request without a tenant.
+    """
+    route = raw.scope.get("route")
+    dependencies = getattr(route, "dependencies", None) or ()
+    if not any(d.dependency is require_tenant for d in dependencies):
+        return err  # not a tenant route (admin, dashboard)
+    if getattr(raw.state, TENANT_STATE_KEY, None) is None:
+        try:
+            await require_tenant(raw)
+        except ServerError as auth_error:
+            return auth_error
+    if getattr(route, "path", None) in GENERATION_ROUTES:
+        ctx: ServerContext = raw.app.state.ctx
+        ctx.qos.metrics.count_outcome(request_tenant(raw).id, Outcome.BAD_REQUEST.value)
+        trace = request_trace(raw)
+        if trace is not None:
+            trace.set_outcome(Outcome.BAD_REQUEST)
+    return err
 
 
 def error_frame(exc: BaseException) -> str:

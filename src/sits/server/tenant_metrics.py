@@ -3,7 +3,8 @@
 Every family carries `model_name` and, for tenant families, `tenant`; the tenant label only
 takes configured tenant ids (a bounded set), and every other label a fixed set of values:
 - fed as requests end (`TenantMetrics`):
-  `sits:tenant_requests_total{tenant, outcome}` (outcome: ok, 400, 429, 503, error, abort),
+  `sits:tenant_requests_total{tenant, outcome}` (outcome: ok, 400, 404, 429, 503, error,
+  abort; a body refused before the handler runs counts as 400),
   `sits:tenant_prompt_tokens_total`, `sits:tenant_generation_tokens_total`,
   `sits:tenant_time_to_first_token_seconds` and `sits:tenant_time_per_output_token_seconds`
   (histograms), `sits:tenant_slo_requests_total{tenant, slo}` and
@@ -38,7 +39,7 @@ from sits.tenancy import TenantConfig, TenantsConfig
 if TYPE_CHECKING:
     from sits.server.qos import ServerQos
 
-OUTCOMES = ("ok", "400", "429", "503", "error", "abort")
+OUTCOMES = ("ok", "400", "404", "429", "503", "error", "abort")
 SLO_KINDS = ("ttft", "tpot")
 _BREAKER_LEVEL = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 _TTFT_BUCKETS_S = (
@@ -67,7 +68,7 @@ class TenantMetrics:
         labels = ["model_name", "tenant"]
         self.requests = Counter(
             "sits:tenant_requests",
-            "Requests by tenant and outcome (ok, 400, 429, 503, error, abort).",
+            "Requests by tenant and outcome (ok, 400, 404, 429, 503, error, abort).",
             labels + ["outcome"],
             registry=registry,
         )

@@ -198,8 +198,10 @@ class RequestTrace:
             span.end()
 
     def watch(self, job: GenerationJob) -> None:
-        """Record the outputs of an admitted job (before it starts)."""
+        """Record the outputs of an admitted job (before it starts) and give it the trace id
+        (its audit records carry it)."""
         self.job = job
+        job.trace_id = self.trace_id
         self.recorders = [TimelineRecorder(len(p.token_ids), p.params.n) for p in job.prompts]
         index_of = {id(prompt): index for index, prompt in enumerate(job.prompts)}
 

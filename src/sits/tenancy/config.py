@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -161,6 +161,66 @@ class TenantConfig:
             )
 
 
+def tenant_set_errors(
+    tenants: Sequence[TenantConfig], anonymous_tenant_id: str | None
+) -> list[TenantValidationError]:
+    """Every rule a set of valid tenants breaks together, in file order (`TenantsConfig`
+    raises the first): no tenants, a duplicate id or key hash, reserved fractions summing over
+    1 (once, at the tenant where the sum first passes 1), an undefined anonymous tenant, a
+    tenant without keys that is not the anonymous one (nobody can reach it).
+
+    Each error's `tenant_index` is the tenant's position in `tenants` (None for a file-level
+    field).
+    """
+    if not tenants:
+        return [TenantValidationError("tenants", "at least one tenant is needed")]
+    errors = []
+    by_id: dict[str, TenantConfig] = {}
+    by_key_hash: dict[str, TenantConfig] = {}
+    reserved = 0.0
+    for index, tenant in enumerate(tenants):
+        if tenant.id in by_id:
+            errors.append(TenantValidationError("id", f"duplicate tenant id {tenant.id!r}", index))
+        by_id.setdefault(tenant.id, tenant)
+        for key_hash in tenant.api_key_sha256:
+            owner = by_key_hash.setdefault(key_hash, tenant)
+            if owner is not tenant:
+                errors.append(
+                    TenantValidationError(
+                        "api_key_sha256",
+                        f"key hash {key_hash[:12]}... already belongs to tenant {owner.id!r}",
+                        index,
+                    )
+                )
+        over_before = reserved > 1.0 + _FRACTION_EPS
+        reserved += tenant.reserved_kv_fraction
+        if reserved > 1.0 + _FRACTION_EPS and not over_before:
+            errors.append(
+                TenantValidationError(
+                    "reserved_kv_fraction",
+                    f"reserved_kv_fraction of tenants up to {tenant.id!r} sums to {reserved:g} > 1",
+                    index,
+                )
+            )
+    if anonymous_tenant_id is not None and anonymous_tenant_id not in by_id:
+        errors.append(
+            TenantValidationError(
+                "anonymous_tenant", f"anonymous tenant {anonymous_tenant_id!r} is not defined"
+            )
+        )
+    for index, tenant in enumerate(tenants):
+        if not tenant.api_key_sha256 and tenant.id != anonymous_tenant_id:
+            errors.append(
+                TenantValidationError(
+                    "api_key_sha256",
+                    f"tenant {tenant.id!r} has no api_key_sha256 and is not the anonymous "
+                    "tenant, so no request can reach it",
+                    index,
+                )
+            )
+    return errors
+
+
 @dataclass(frozen=True, slots=True)
 class TenantsConfig:
     """Every tenant of a server, with key lookup.
@@ -183,47 +243,12 @@ class TenantsConfig:
     def __post_init__(self) -> None:
         tenants = tuple(self.tenants)
         object.__setattr__(self, "tenants", tenants)
-        if not tenants:
-            raise TenantValidationError("tenants", "at least one tenant is needed")
-        by_id: dict[str, TenantConfig] = {}
-        by_key_hash: dict[str, TenantConfig] = {}
-        reserved = 0.0
-        for index, tenant in enumerate(tenants):
-            if tenant.id in by_id:
-                raise TenantValidationError("id", f"duplicate tenant id {tenant.id!r}", index)
-            by_id[tenant.id] = tenant
-            for key_hash in tenant.api_key_sha256:
-                owner = by_key_hash.setdefault(key_hash, tenant)
-                if owner is not tenant:
-                    raise TenantValidationError(
-                        "api_key_sha256",
-                        f"key hash {key_hash[:12]}... already belongs to tenant {owner.id!r}",
-                        index,
-                    )
-            reserved += tenant.reserved_kv_fraction
-            if reserved > 1.0 + _FRACTION_EPS:
-                raise TenantValidationError(
-                    "reserved_kv_fraction",
-                    f"reserved_kv_fraction of tenants up to {tenant.id!r} sums to {reserved:g} > 1",
-                    index,
-                )
-        self._check_reachable(tenants, by_id)
-        object.__setattr__(self, "_by_id", by_id)
+        errors = tenant_set_errors(tenants, self.anonymous_tenant_id)
+        if errors:
+            raise errors[0]
+        by_key_hash = {key_hash: t for t in tenants for key_hash in t.api_key_sha256}
+        object.__setattr__(self, "_by_id", {tenant.id: tenant for tenant in tenants})
         object.__setattr__(self, "_by_key_hash", by_key_hash)
-
-    def _check_reachable(self, tenants: tuple[TenantConfig, ...], by_id: Mapping) -> None:
-        if self.anonymous_tenant_id is not None and self.anonymous_tenant_id not in by_id:
-            raise TenantValidationError(
-                "anonymous_tenant", f"anonymous tenant {self.anonymous_tenant_id!r} is not defined"
-            )
-        for index, tenant in enumerate(tenants):
-            if not tenant.api_key_sha256 and tenant.id != self.anonymous_tenant_id:
-                raise TenantValidationError(
-                    "api_key_sha256",
-                    f"tenant {tenant.id!r} has no api_key_sha256 and is not the anonymous "
-                    "tenant, so no request can reach it",
-                    index,
-                )
 
     @classmethod
     def default(cls, api_key: str | None = None) -> TenantsConfig:
