@@ -37,7 +37,8 @@ if has tests; then
   run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels
   run model_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py \
-    tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py
+    tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py \
+    tests/engine/test_expert_spares_gpu.py
 fi
 if has profile; then
   run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
