@@ -439,11 +439,15 @@ def test_ratio_zero_follows_a_sampled_upstream_parent(none_kept: Traces) -> None
     sampled = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"}
     not_sampled = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-00"}
     payload = {"prompt": PROMPT, "max_tokens": 2}
+    flags = []
     with none_kept.live.http() as http:
-        for headers in (sampled, not_sampled):
+        for headers in ({}, sampled, not_sampled):
             resp = http.post("/v1/completions", json=payload, headers={**auth("plain"), **headers})
             assert resp.status_code == 200
-    spans = none_kept.take(2)
+            flags.append(int(resp.headers["traceparent"].rsplit("-", 1)[1], 16) & 1)
+    # The response's sampled flag is the head decision: ratio 0, then the caller's flag.
+    assert flags == [0, 1, 0]
+    spans = none_kept.take(3)
     root = _check_tree(spans, "POST /v1/completions", ["admission", *ENGINE_SPANS])
     assert root.parent.trace_flags.sampled
     assert {span.context.trace_id for span in spans} == {int(TRACE_ID, 16)}

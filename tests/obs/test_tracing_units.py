@@ -7,6 +7,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import (
     NonRecordingSpan,
@@ -92,12 +93,31 @@ def test_traces_endpoint_keeps_a_path() -> None:
 # --- tail sampling ---------------------------------------------------------------------------
 
 
+class _ChosenIds(RandomIdGenerator):
+    """Trace ids chosen by the test for local roots (`next_trace_id`), random otherwise."""
+
+    next_trace_id: int | None = None
+
+    def generate_trace_id(self) -> int:
+        chosen, self.next_trace_id = self.next_trace_id, None
+        return chosen if chosen is not None else super().generate_trace_id()
+
+
+_IDS = _ChosenIds()
+
+
 def _pipeline(ratio: float, **kwargs: int):
     exporter = InMemorySpanExporter()
     sampler = TailSamplingProcessor(SimpleSpanProcessor(exporter), ratio, **kwargs)
-    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
+    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False, id_generator=_IDS)
     provider.add_span_processor(sampler)
     return provider.get_tracer("test"), sampler, exporter
+
+
+def _local_root(tracer, name: str, trace_id: int):
+    """A root span with no parent (a request without `traceparent`) of a chosen trace id."""
+    _IDS.next_trace_id = trace_id
+    return tracer.start_span(name)
 
 
 def _remote_parent(trace_id: int, sampled: bool = False):
@@ -106,9 +126,15 @@ def _remote_parent(trace_id: int, sampled: bool = False):
     return set_span_in_context(NonRecordingSpan(ctx))
 
 
-def _trace(tracer, trace_id: int, *, sampled: bool = False, error: bool = False, **attrs) -> None:
-    """A root (child of a remote parent of `trace_id`) with two children."""
-    root = tracer.start_span("root", context=_remote_parent(trace_id, sampled))
+def _trace(
+    tracer, trace_id: int, *, sampled: bool | None = None, error: bool = False, **attrs
+) -> None:
+    """A root with two children: a local root of `trace_id` (sampled None), or the child of a
+    remote parent of `trace_id` whose sampled flag is `sampled`."""
+    if sampled is None:
+        root = _local_root(tracer, "root", trace_id)
+    else:
+        root = tracer.start_span("root", context=_remote_parent(trace_id, sampled))
     for name in ("a", "b"):
         child = tracer.start_span(name, context=set_span_in_context(root))
         if error and name == "b":
@@ -143,6 +169,18 @@ def test_ratio_zero_keeps_errors_slo_misses_and_sampled_parents() -> None:
     assert (sampler.num_kept_traces, sampler.num_dropped_traces) == (4, 2)
 
 
+def test_an_unsampled_remote_parent_is_followed_at_any_ratio() -> None:
+    """ParentBased: the caller decided not to sample; only errors and SLO misses override."""
+    tracer, sampler, exporter = _pipeline(1.0)
+    _trace(tracer, LOW_ID, sampled=False)  # dropped although the ratio keeps everything
+    _trace(tracer, LOW_ID + 1, sampled=False, error=True)  # kept: an error
+    _trace(tracer, LOW_ID + 2)  # kept: no parent, ratio 1
+    kept = sorted({s.context.trace_id - LOW_ID for s in exporter.get_finished_spans()})
+    assert kept == [1, 2]
+    assert sampler.head_sampled(LOW_ID, None) is True
+    assert (sampler.num_kept_traces, sampler.num_dropped_traces) == (2, 1)
+
+
 def test_a_span_ending_after_its_root_follows_the_decision() -> None:
     tracer, sampler, exporter = _pipeline(0.0)
     for trace_id, attrs in ((LOW_ID, {"error.type": "500"}), (LOW_ID + 1, {})):
@@ -159,8 +197,8 @@ def test_a_span_ending_after_its_root_follows_the_decision() -> None:
 
 def test_buffered_traces_are_bounded() -> None:
     tracer, sampler, exporter = _pipeline(1.0, max_buffered_traces=1)
-    first = tracer.start_span("first", context=_remote_parent(LOW_ID))
-    second = tracer.start_span("second", context=_remote_parent(LOW_ID + 1))
+    first = _local_root(tracer, "first", LOW_ID)
+    second = _local_root(tracer, "second", LOW_ID + 1)
     for root in (first, second):
         tracer.start_span("child", context=set_span_in_context(root)).end()
     assert sampler.num_dropped_traces == 1  # the oldest waiting trace went

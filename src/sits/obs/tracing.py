@@ -5,7 +5,8 @@ ALWAYS_ON: every span is recorded, and the sampling decision is taken when a req
 `TailSamplingProcessor`, which buffers the spans of each local trace (a local root span and
 its descendants) and hands them to the exporting `BatchSpanProcessor` only when the trace is
 kept:
-- its remote parent (incoming W3C `traceparent`) was sampled (the ParentBased rule), or
+- its remote parent (incoming W3C `traceparent`) was sampled (the ParentBased rule; a remote
+  parent that was not sampled is not overridden by the ratio), or
 - its trace id falls under the configured ratio (the same deterministic rule as the SDK's
   `TraceIdRatioBased`, so every service sampling by ratio keeps the same traces), or
 - any of its spans has an ERROR status or an `error.type` attribute, or is marked over its
@@ -33,7 +34,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, Tracer, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanContext, StatusCode
 
 from sits.core.errors import InvalidParameterError
 
@@ -198,12 +199,17 @@ class TailSamplingProcessor(SpanProcessor):
         for ended in spans:
             self.delegate.on_end(ended)
 
+    def head_sampled(self, trace_id: int, parent: SpanContext | None) -> bool:
+        """The decision known when the trace starts (ParentBased over TraceIdRatioBased): a
+        remote parent's sampled flag when there is one, else the ratio by trace id. Errors
+        and SLO misses found later keep a trace too, but cannot change headers already sent.
+        """
+        if parent is not None and parent.is_remote:
+            return parent.trace_flags.sampled
+        return self._ratio.should_sample(None, trace_id, "").decision.is_sampled()
+
     def _keep(self, root: ReadableSpan, spans: list[ReadableSpan]) -> bool:
-        parent = root.parent
-        if parent is not None and parent.is_remote and parent.trace_flags.sampled:
-            return True
-        result = self._ratio.should_sample(None, root.context.trace_id, root.name)
-        if result.decision.is_sampled():
+        if self.head_sampled(root.context.trace_id, root.parent):
             return True
         return any(is_error_span(s) or (s.attributes or {}).get(SLO_VIOLATED) for s in spans)
 

@@ -174,9 +174,20 @@ class RequestTrace:
         return format(self.span.get_span_context().trace_id, "032x")
 
     def inject(self, message: Message) -> None:
-        """Put `traceparent` (and `tracestate`) on an `http.response.start` message."""
+        """Put `traceparent` (and `tracestate`) on an `http.response.start` message.
+
+        Its sampled flag is the head decision (the caller's flag, else the ratio by trace
+        id), so a downstream service is not told "sampled" for a trace this server drops;
+        a trace kept later for an error or an SLO miss cannot change headers already sent.
+        """
         carrier: dict[str, str] = {}
         self.tracer.propagator.inject(carrier, context=self.context)
+        if "traceparent" in carrier:
+            ctx = self.span.get_span_context()
+            sampled = self.tracer.tracing.sampler.head_sampled(ctx.trace_id, self.span.parent)
+            head, flags = carrier["traceparent"].rsplit("-", 1)
+            value = (int(flags, 16) & ~1) | int(sampled)
+            carrier["traceparent"] = f"{head}-{value:02x}"
         headers = MutableHeaders(scope=message)
         for name, value in carrier.items():
             headers[name] = value
