@@ -29,6 +29,7 @@ from sits.kernels.moe_config import (  # noqa: E402
 from sits.kernels.moe_ref import moe_forward, select_experts  # noqa: E402
 from sits.kernels.moe_triton import TritonMoe, fused_moe  # noqa: E402
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
+from sits.layers.moe import MoeConfig, SparseMoeBlock  # noqa: E402
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -200,3 +201,18 @@ def test_shipped_config_files_parse_and_cover_the_tuned_token_counts() -> None:
     for path in files:
         table = load_config_table(path)
         assert sorted(table) == [2**i for i in range(14)], path.name
+
+
+def test_spare_slots_keep_the_tuned_config_of_the_model_expert_count(tmp_path) -> None:
+    """w13/w2 of a layer with 2 spare slots hold E + 2 experts; the tuned file is per E."""
+    (tmp_path / config_file_name(4, 16, torch.float32, "cpu")).write_text(
+        json.dumps({"64": WIDE.to_json()})
+    )
+    backend = TritonMoe(config_dir=tmp_path)
+    block = SparseMoeBlock(8, MoeConfig(4, 2, 16, True), moe_backend=backend)
+    hidden = torch.zeros(30, 8)
+    w2_with_spares = torch.zeros(6, 8, 16)
+    assert backend.launch_config(hidden, w2_with_spares, 2) == default_config(30, 2, 6)
+    block.add_spare_slots(2)
+    assert block.w2.shape[0] == 6 and backend.tuned_num_experts == 4
+    assert backend.launch_config(hidden, block.w2, 2) == WIDE

@@ -355,6 +355,8 @@ class TritonMoe:
     Attributes:
         cuda_graph_safe: True: a call launches a fixed kernel sequence for fixed shapes with
             no host sync, so the runner may capture it in a decode CUDA graph.
+        tuned_num_experts: the expert count the tuned configs are looked up by when the
+            weights hold spare slots too (None: the weights' first dimension).
     """
 
     cuda_graph_safe = True
@@ -363,6 +365,9 @@ class TritonMoe:
         self, config: MoeLaunchConfig | None = None, config_dir: str | Path | None = None
     ) -> None:
         self.config = config
+        # The model's expert count for the tuned-config lookup when w13/w2 also hold spare
+        # slots (set by `SparseMoeBlock.add_spare_slots`); None = w2.shape[0].
+        self.tuned_num_experts: int | None = None
         self.config_store = MoeConfigStore(config_dir)
 
     def select_experts(
@@ -375,7 +380,8 @@ class TritonMoe:
         """The config a call with these inputs uses (host-side shapes only)."""
         if self.config is not None:
             return self.config
-        num_experts, _, inter_size = w2.shape
+        num_slots, _, inter_size = w2.shape
+        num_experts = self.tuned_num_experts or num_slots
         return self.config_store.select(
             hidden.shape[0], top_k, num_experts, inter_size, hidden.dtype, hidden.device
         )

@@ -142,6 +142,8 @@ class SparseMoeBlock(nn.Module):
                 new[:num_experts].copy_(old)
                 setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
         self.num_spare_experts = num_spare
+        if hasattr(self.moe_backend, "tuned_num_experts"):  # tuned launch configs are per E
+            self.moe_backend.tuned_num_experts = num_experts
 
     def expert_slots(self) -> ExpertSlots | None:
         """The layer's logical -> physical slot table (made on the weights' device at first
