@@ -158,3 +158,26 @@ def test_forward_refuses_a_device_the_kernels_cannot_run_on(paged_batch) -> None
         TritonPagedAttention().forward(
             meta, batch.key, batch.value, batch.kv_cache, batch.metadata, 0.25
         )
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 7), (16, 20), (3, 1)],  # prefill, chunked prefill, a decode: every row covered
+        [(299, 1), (5, 1), (40, 1)],  # pure decode, split
+        [(9, 0), (30, 1), (0, 23)],  # an empty sequence
+    ],
+)
+def test_every_output_row_is_written_when_rows_are_covered(paged_batch, monkeypatch, chunks):
+    """Without padding the output is not zero-filled first: poison fresh allocations with NaN,
+    so a row no kernel writes shows up."""
+    import sits.kernels.attention_triton as module
+
+    def nan_filled(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(module, "_uninitialized", nan_filled)
+    batch = paged_batch(chunks, 4, 2, 16, 8, torch.float32, DEVICE, seed=21)
+    config = TritonAttentionConfig(**SMALL, decode_num_splits=3)
+    actual = check_against_reference(batch, config)
+    assert not actual.isnan().any()

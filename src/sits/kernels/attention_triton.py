@@ -114,6 +114,11 @@ class TritonAttentionConfig:
         return cls(**defaults)  # type: ignore[arg-type]
 
 
+def _uninitialized(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An output buffer every row of which the kernels write (`torch.empty`; tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, config: TritonAttentionConfig
 ) -> int:
@@ -202,7 +207,11 @@ class TritonPagedAttention:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
         assert quantized or query.dtype == data.dtype, "a plain cache must have the query dtype"
         assert metadata.block_size == data.shape[2], "metadata/cache block size mismatch"
-        output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        # Every row belongs to a sequence whose kernel writes it: no zero fill (a memset per
+        # layer per step); rows outside every sequence (padding) must read zero.
+        covered = metadata.max_query_len > 0 and metadata.query_start_loc_cpu[-1] == len(query)
+        new_output = _uninitialized if covered else torch.zeros
+        output = new_output(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_seqs == 0 or metadata.max_query_len == 0:
             return output
         config = self.config
