@@ -40,8 +40,8 @@ class EngineConfig:
         enforce_eager: never capture CUDA graphs.
         cpu_offload_gb: GiB of host memory (pinned on CUDA) for a host KV tier: preempted
             requests swap their blocks out and back instead of recomputing when cheaper.
-            0 (the default): no host tier, recompute-only preemption. Only with
-            kv_cache_dtype "auto" (quantized caches are refused for now).
+            0 (the default): no host tier, recompute-only preemption. Any kv_cache_dtype:
+            quantized blocks are copied as stored (data and int8 scales).
         load_format: "auto" (the checkpoint's safetensors), "safetensors", or "dummy":
             seeded random weights (`seed`) made directly on the device from config.json alone,
             for benchmarks of real shapes without downloads (`sits.models.dummy`).
@@ -106,12 +106,6 @@ class EngineConfig:
         if not (math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0):
             raise InvalidParameterError(
                 "cpu_offload_gb", f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}"
-            )
-        if self.cpu_offload_gb > 0 and self.kv_cache_dtype != "auto":
-            raise InvalidParameterError(
-                "cpu_offload_gb",
-                "the host KV tier (cpu_offload_gb > 0) supports kv_cache_dtype 'auto' only, "
-                f"got {self.kv_cache_dtype!r}",
             )
 
     def with_changes(self, **changes: object) -> EngineConfig:

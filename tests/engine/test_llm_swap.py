@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sits import LLM, SamplingParams
 from sits.core.errors import InvalidParameterError
+from sits.runner.kv_cache_alloc import kv_bytes_per_block, kv_fixed_bytes
 from sits.runner.swap import GIB_BYTES
 from tests.engine.hf_reference import random_prompts
 
@@ -100,9 +102,54 @@ def test_seeded_sampling_with_swap_equals_alone(model_dir) -> None:
     assert swapped == batched  # every request is seeded: the batch is reproduced exactly
 
 
-def test_host_tier_refuses_quantized_kv_and_negative_size(model_dir) -> None:
+def _quantized_llm(model_dir, kind: str, num_blocks: int | None, num_host_blocks: int) -> LLM:
+    """An engine with an fp8/int8 KV cache of `num_blocks` blocks (None: large)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    block_bytes = kv_bytes_per_block(layers, 16, kv_heads, head_dim, torch.float32, kind)
+    kwargs: dict = dict(model=str(model_dir), dtype="float32", max_model_len=512)
+    kwargs["kv_cache_dtype"] = kind
+    if num_blocks is not None:
+        kwargs["kv_cache_memory_bytes"] = num_blocks * block_bytes + kv_fixed_bytes(
+            layers, kv_heads, kind
+        )
+    if num_host_blocks:
+        kwargs["cpu_offload_gb"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
+    llm = LLM(**kwargs)
+    assert llm.engine_core.runner.num_host_blocks == num_host_blocks
+    if num_blocks is not None:
+        assert llm.engine_core.runner.num_blocks == num_blocks
+    return llm
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_kv_swaps_exact_bytes(model_dir, kind: str) -> None:
+    """Swapped fp8/int8 blocks (data and int8 scales) come back bit for bit: the swap run
+    equals the recompute run on the same small cache (same first batch, so the same fp8
+    calibration), and for int8 (scales per token) the large-cache run too."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    prompts = random_prompts(PROMPT_LENGTHS, cfg["vocab_size"], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=0, ignore_eos=True)
+    recompute = _run(_quantized_llm(model_dir, kind, 18, 0), prompts, params)
+    swap_llm = _quantized_llm(model_dir, kind, 18, NUM_HOST_BLOCKS)
+    swap = _run(swap_llm, prompts, params)
+    stats = swap_llm.engine_core.scheduler.swap_stats
+    assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions == 0
+    assert stats.num_recomputed_tokens == 0
+    outputs = [recompute]
+    if kind == "int8":
+        outputs.append(_run(_quantized_llm(model_dir, kind, None, 0), prompts, params))
+    for other in outputs:
+        for swp, ref in zip(swap, other):
+            assert swp.token_ids == ref.token_ids
+            ours = [swp.logprobs[i][t].logprob for i, t in enumerate(swp.token_ids)]
+            theirs = [ref.logprobs[i][t].logprob for i, t in enumerate(ref.token_ids)]
+            assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+def test_host_tier_refuses_a_negative_size(model_dir) -> None:
     with pytest.raises(InvalidParameterError) as info:
-        LLM(model=str(model_dir), dtype="float32", kv_cache_dtype="int8", cpu_offload_gb=0.01)
-    assert info.value.param == "cpu_offload_gb"
-    with pytest.raises(InvalidParameterError):
         LLM(model=str(model_dir), dtype="float32", cpu_offload_gb=-1)
+    assert info.value.param == "cpu_offload_gb"

@@ -34,7 +34,7 @@ from sits.runner.kv_cache_alloc import (
     num_kv_blocks,
 )
 from sits.runner.model_info import ModelInfo
-from sits.runner.swap import HostKVCache, num_host_blocks
+from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState, make_generator
 
@@ -115,9 +115,9 @@ class ModelRunner:
             self.block_size,
         )
         self.num_host_blocks = num_host_blocks(config.cpu_offload_gb, bytes_per_block)
-        self.host_kv: HostKVCache | None = None
+        self.host_kv: HostKVTier | None = None
         if self.num_host_blocks > 0:
-            self.host_kv = HostKVCache(self.kv_caches, self.num_host_blocks)
+            self.host_kv = HostKVTier(self.kv_caches, self.num_host_blocks)
             logger.info("host KV tier: %d blocks", self.num_host_blocks)
         self.attn_backend = select_attention_backend(
             self.device, arch.head_dim, self.kv_cache_dtype

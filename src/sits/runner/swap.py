@@ -3,9 +3,11 @@
 Layout: one host tensor [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in
 the device cache's dtype, so a host block (all layers) is one contiguous range; `caches` are
 per-layer views of it, [2, num_host_blocks, block_size, num_kv_heads, head_dim], the device
-cache's per-block layout. On CUDA it is pinned, so copies are asynchronous DMA. Only
-plain-tensor caches (kv_cache_dtype "auto") are supported; `EngineConfig` refuses a host tier
-with a quantized cache.
+cache's per-block layout. On CUDA it is pinned, so copies are asynchronous DMA.
+`HostKVTier` holds one `HostKVCache` per block-indexed component of the device caches: the
+plain caches; or a quantized cache's data (fp8 bytes viewed as uint8) and, for int8, its
+per-token scales [2, num_blocks, block_size, num_kv_heads]. fp8's per-head scales are fixed
+once calibrated (before any block can be swapped) and stay on the device.
 
 Semantics of `copy_blocks(device_caches, swap_out, swap_in)` (the `StepPlan` contract): every
 swap-out reads its device block before any swap-in or the step's forward writes it, and every
@@ -31,10 +33,12 @@ event, so the forward waits for them too; larger swap-ins go chunk by chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from sits.kernels.kv_quant_ref import QuantizedKVCache
 
 GIB_BYTES = 1 << 30
 DEFAULT_MAX_STAGED_BYTES = 1 << 30
@@ -233,3 +237,60 @@ class HostKVCache:
         index = torch.tensor([d for _, d in pairs], device=self.device)
         for layer, dev in enumerate(device_caches):
             dev.index_copy_(1, index, staged[:, layer].transpose(0, 1))
+
+
+def cache_components(device_caches: Sequence[Tensor | QuantizedKVCache]) -> list[list[Tensor]]:
+    """The block-indexed tensors of the device caches, one list (over layers) per component.
+
+    Plain caches: [caches]. Quantized: [data] (fp8 viewed as uint8, so copies move the exact
+    bytes with the ops every device has), plus [scales] for int8 (one scale per stored token
+    and head, block-indexed like the data). Every tensor is [2, num_blocks, ...].
+    """
+    first = device_caches[0]
+    if isinstance(first, Tensor):
+        return [list(device_caches)]
+    data = [c.data.view(torch.uint8) if c.kind == "fp8" else c.data for c in device_caches]
+    if first.kind == "int8":
+        return [data, [c.scales for c in device_caches]]
+    return [data]
+
+
+class HostKVTier:
+    """The host tier of any KV cache kind: a `HostKVCache` per component (`cache_components`).
+
+    Args:
+        device_caches: the device KV caches (plain tensors or `QuantizedKVCache`s).
+        num_blocks: host blocks to allocate (>= 1).
+        staged, max_staged_bytes: as `HostKVCache`.
+
+    Attributes:
+        parts: one HostKVCache per component.
+    """
+
+    def __init__(
+        self,
+        device_caches: Sequence[Tensor | QuantizedKVCache],
+        num_blocks: int,
+        staged: bool | None = None,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+    ) -> None:
+        self.parts = [
+            HostKVCache(component, num_blocks, staged, max_staged_bytes)
+            for component in cache_components(device_caches)
+        ]
+
+    def copy_blocks(
+        self,
+        device_caches: Sequence[Tensor | QuantizedKVCache],
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+    ) -> None:
+        """`HostKVCache.copy_blocks` for every component (each orders itself against the
+        current stream, so the forward waits for all of them)."""
+        for part, component in zip(self.parts, cache_components(device_caches)):
+            part.copy_blocks(component, swap_out, swap_in)
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued so far has finished (no-op on the CPU)."""
+        for part in self.parts:
+            part.synchronize()
