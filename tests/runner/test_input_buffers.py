@@ -125,6 +125,6 @@ def test_graph_batch_sizes_and_splits() -> None:
     assert graph_batch_sizes(256)[-1] == 256 and len(graph_batch_sizes(256)) == 4 + 31
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(3) == [1, 2, 3]
-    assert decode_splits_for(1, 4) == 16  # capped
-    assert decode_splits_for(64, 4) == 2  # ceil(264 / 256)
-    assert decode_splits_for(256, 4) == 1
+    assert decode_splits_for(1, 4, 264, 32) == 32  # capped
+    assert decode_splits_for(64, 4, 264, 32) == 2  # ceil(264 / 256)
+    assert decode_splits_for(256, 4, 264, 32) == 1

@@ -57,6 +57,7 @@ class GemmConfig:
                 raise InvalidParameterError(name, f"must be >= 1, got {getattr(self, name)}")
 
     def to_json(self) -> dict[str, int]:
+        """The tuned-file entry of this GEMM: BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages."""
         return {
             "BLOCK_N": self.block_n,
             "BLOCK_K": self.block_k,
@@ -67,6 +68,11 @@ class GemmConfig:
 
     @classmethod
     def from_json(cls, entry: dict) -> GemmConfig:
+        """Parse a `to_json` entry (GROUP_M, num_warps, num_stages optional).
+
+        Raises:
+            KeyError: BLOCK_N or BLOCK_K missing; InvalidParameterError: a bad value.
+        """
         return cls(
             block_n=int(entry["BLOCK_N"]),
             block_k=int(entry["BLOCK_K"]),
@@ -96,6 +102,7 @@ class MoeLaunchConfig:
             raise InvalidParameterError("block_m", f"must be a power of two >= 16: {self.block_m}")
 
     def to_json(self) -> dict:
+        """The tuned-file entry: BLOCK_M and one `GemmConfig.to_json` per GEMM."""
         return {
             "BLOCK_M": self.block_m,
             "gemm1": self.gemm1.to_json(),

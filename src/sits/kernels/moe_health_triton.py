@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sits.kernels.triton_utils import next_power_of_2
+from sits.kernels.triton_utils import as_bytes, next_power_of_2
 
 MAX_EXPERTS = 1024  # experts one program holds
 
@@ -64,11 +64,6 @@ def fused_health_kernel(
     tl.store(anomalous_ptr + cols, zero, mask=col_in)
 
 
-def _as_bytes(flags: Tensor) -> Tensor:
-    """A bool tensor as uint8 (the kernel reads and writes bytes); other dtypes unchanged."""
-    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
-
-
 def fused_health_update(
     checked: Tensor,
     anomalous: Tensor,
@@ -103,11 +98,11 @@ def fused_health_update(
     assert num_anomalous.dtype == torch.int64 and streak.dtype == torch.int64
     assert freeze_after.numel() == 1 and freeze_after.dtype == torch.int64
     fused_health_kernel[(1,)](
-        _as_bytes(checked),
-        _as_bytes(anomalous),
+        as_bytes(checked),
+        as_bytes(anomalous),
         num_anomalous,
         streak,
-        _as_bytes(frozen),
+        as_bytes(frozen),
         freeze_after,
         num_experts,
         top_k,

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sits.kernels.triton_utils import cdiv, next_power_of_2
+from sits.kernels.triton_utils import as_bytes, cdiv, next_power_of_2
 
 MAX_EXPERTS = 256  # widest router row one program holds
 MAX_TOP_K = 16
@@ -143,11 +143,6 @@ def default_block_tokens(num_tokens: int) -> int:
     return 1 if num_tokens <= 512 else 8
 
 
-def _as_bytes(flags: Tensor) -> Tensor:
-    """A bool tensor as uint8 (the kernel reads and writes bytes); other dtypes unchanged."""
-    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
-
-
 def fused_route(
     router_logits: Tensor,
     frozen: Tensor,
@@ -197,10 +192,10 @@ def fused_route(
         assert token_mask.shape == (num_tokens,) and token_mask.dtype == torch.bool
     block_t = block_tokens if block_tokens is not None else default_block_tokens(num_tokens)
     block_e = next_power_of_2(num_experts)
-    mask = _as_bytes(token_mask) if token_mask is not None else frozen  # unread when None
+    mask = as_bytes(token_mask) if token_mask is not None else frozen  # unread when None
     fused_route_kernel[(cdiv(num_tokens, block_t),)](
-        router_logits, _as_bytes(frozen), mask, topk_weights, topk_ids, num_tokens_acc,
-        _as_bytes(checked), num_tokens, num_experts, router_logits.stride(0),
+        router_logits, as_bytes(frozen), mask, topk_weights, topk_ids, num_tokens_acc,
+        as_bytes(checked), num_tokens, num_experts, router_logits.stride(0),
         TOP_K=top_k,
         RENORMALIZE=renormalize,
         HAS_MASK=token_mask is not None,

@@ -54,3 +54,9 @@ def next_power_of_2(value: int) -> int:
 def cdiv(numerator: int, denominator: int) -> int:
     """Ceiling division of positive integers."""
     return -(-numerator // denominator)
+
+
+def as_bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor viewed as uint8 (kernels read and write flags as bytes); other dtypes are
+    returned unchanged."""
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags

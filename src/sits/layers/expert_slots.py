@@ -71,10 +71,12 @@ class ExpertSlots:
 
     @property
     def num_experts(self) -> int:
+        """Logical experts of the layer (E)."""
         return len(self.slot_of)
 
     @property
     def num_slots(self) -> int:
+        """Physical weight slots (E + spares)."""
         return len(self.slot_of) + self.num_spare
 
     @property

@@ -331,8 +331,11 @@ class RotaryEmbedding(nn.Module):
         self, query: Tensor, key: Tensor, qk_norm: tuple[RMSNorm, RMSNorm] | None
     ) -> bool:
         """True when the Triton kernel computes exactly what the torch path would: CUDA
-        tensors of one dtype (norm weights too), contiguous head dims, a sizable cache."""
+        tensors of one dtype (norm weights too), contiguous head dims of even size, a sizable
+        cache (`triton_qk_norm_rope` raises ValueError on anything else)."""
         if not query.is_cuda or not self.rope.max_position_embeddings:
+            return False
+        if query.shape[-1] % 2 or key.shape[-1] != query.shape[-1]:
             return False
         dtypes = {query.dtype, key.dtype}
         if qk_norm is not None:

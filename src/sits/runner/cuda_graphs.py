@@ -32,10 +32,6 @@ from sits.runner.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
-H200_NUM_SMS = 132
-_TARGET_PROGRAMS = 2 * H200_NUM_SMS
-_MAX_SPLITS = 16
-
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 up to max_num_seqs, plus max_num_seqs; ascending."""
@@ -45,9 +41,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-def decode_splits_for(batch_size: int, num_kv_heads: int) -> int:
-    """Split-K count of a captured decode graph: about two programs per SM, at most 16."""
-    return max(1, min(_MAX_SPLITS, cdiv(_TARGET_PROGRAMS, batch_size * num_kv_heads)))
+def decode_splits_for(
+    batch_size: int, num_kv_heads: int, target_programs: int, max_splits: int
+) -> int:
+    """Split-K count of a captured decode graph: enough (sequence, kv head, split) programs to
+    reach `target_programs`, at most `max_splits` (the eager heuristic without its context-length
+    term, which a graph cannot read; `TritonAttentionConfig.decode_target_programs` and
+    `decode_max_splits` are passed in)."""
+    return max(1, min(max_splits, cdiv(target_programs, batch_size * num_kv_heads)))
 
 
 @dataclass(slots=True)
@@ -106,9 +107,11 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = None
         for size in sorted(batch_sizes, reverse=True):
-            config = TritonAttentionConfig.for_head_dim(
-                self.head_dim, decode_num_splits=decode_splits_for(size, self.num_kv_heads)
+            defaults = TritonAttentionConfig.for_head_dim(self.head_dim)
+            splits = decode_splits_for(
+                size, self.num_kv_heads, defaults.decode_target_programs, defaults.decode_max_splits
             )
+            config = TritonAttentionConfig.for_head_dim(self.head_dim, decode_num_splits=splits)
             ctx = self._dummy_context(size, TritonPagedAttention(config))
             views = self.buffers.view(size)
             for _ in range(2):  # compile and settle the allocator outside the capture

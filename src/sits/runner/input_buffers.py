@@ -15,9 +15,10 @@ Invariants:
   the MoE statistics by `token_mask`.
 - Block-table entries past a sequence's last block are stale (left from earlier steps): every
   reader reads only the first ceil(seq_len / block_size) entries of a row.
-- Host staging arrays are pinned on CUDA and copied with non_blocking=True; they are safe to
-  refill because every step ends with a device sync (the sampled token ids are read back)
-  before the next `prepare`.
+- Host staging arrays are pinned on CUDA and copied with non_blocking=True. A step that samples
+  nothing (a middle prefill chunk) ends without a device sync, so the CPU may run ahead: each
+  `prepare` first waits for the event recorded after the previous step's copies, so the host
+  arrays are never rewritten while a copy from them is pending.
 - A pure decode step (one token per sequence) takes a shorter path with the same result, and
   the device views of each (sequences, tokens) size are made once and reused.
 """
@@ -103,6 +104,7 @@ class InputBuffers:
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
+        self._copied: torch.cuda.Event | None = None  # recorded after each step's copies
         self._host: dict[str, Tensor] = {}
         self._dev: dict[str, Tensor] = {}
         shapes = {
@@ -167,6 +169,8 @@ class InputBuffers:
             `prepare`); last_token_indices and the metadata's CPU fields cover the real
             sequences only, the device tensors cover the padding too.
         """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host arrays
         scheduled = plan.scheduled
         num_seqs = len(scheduled)
         token_ids = np.fromiter(
@@ -282,3 +286,6 @@ class InputBuffers:
         )
         self._dev["seq_lens"][:num_seqs].copy_(self._host["seq_lens"][:num_seqs], non_blocking=True)
         self._dev["block_tables"][:num_seqs, :width].copy_(stage, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()

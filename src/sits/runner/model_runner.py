@@ -119,28 +119,7 @@ class ModelRunner:
         if self.num_host_blocks > 0:
             self.host_kv = HostKVTier(self.kv_caches, self.num_host_blocks)
             logger.info("host KV tier: %d blocks", self.num_host_blocks)
-        self.attn_backend = select_attention_backend(
-            self.device, arch.head_dim, self.kv_cache_dtype
-        )
-        self.buffers = InputBuffers(
-            max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=-(-info.max_model_len // self.block_size),
-            block_size=self.block_size,
-            device=self.device,
-        )
-        self.graphs: DecodeGraphs | None = None
-        if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
-            self.graphs = DecodeGraphs(
-                self.model, self.buffers, self.kv_caches, arch.num_kv_heads, arch.head_dim
-            )
-            self.graphs.capture(graph_batch_sizes(config.max_num_seqs))
-        logger.info(
-            "attention %s, MoE %s, decode CUDA graphs: %s",
-            type(self.attn_backend).__name__,
-            self._moe_backend_name(),
-            self.graphs.batch_sizes if self.graphs else "off",
-        )
+        self._setup_fast_path(config, arch.num_kv_heads, arch.head_dim)
         # The unseeded requests' shared generator: from the engine seed, but not equal to the
         # generator of a request whose own seed is the engine seed.
         shared_seed = random.Random(f"sits-sampler-{config.seed}").getrandbits(63)
@@ -151,6 +130,30 @@ class ModelRunner:
         # Prompt logprobs already returned per request (a resumed request recomputes its
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
+
+    def _setup_fast_path(self, config: EngineConfig, num_kv_heads: int, head_dim: int) -> None:
+        """Pick the attention backend, make the persistent input buffers and, when the model
+        and backend allow it and `enforce_eager` is off, capture the decode CUDA graphs."""
+        self.attn_backend = select_attention_backend(self.device, head_dim, self.kv_cache_dtype)
+        self.buffers = InputBuffers(
+            max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-self.info.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
+            self.graphs = DecodeGraphs(
+                self.model, self.buffers, self.kv_caches, num_kv_heads, head_dim
+            )
+            self.graphs.capture(graph_batch_sizes(config.max_num_seqs))
+        logger.info(
+            "attention %s, MoE %s, decode CUDA graphs: %s",
+            type(self.attn_backend).__name__,
+            self._moe_backend_name(),
+            self.graphs.batch_sizes if self.graphs else "off",
+        )
 
     def _moe_backend_name(self) -> str:
         for module in self.model.modules():

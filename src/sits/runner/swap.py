@@ -49,6 +49,16 @@ def num_host_blocks(cpu_offload_gb: float, bytes_per_block: int) -> int:
     return int(cpu_offload_gb * GIB_BYTES) // bytes_per_block
 
 
+def device_index(ids: list[int], device: torch.device) -> Tensor:
+    """[len(ids)] int64 block ids on `device`. On CUDA through pinned memory with a
+    non-blocking copy: a pageable copy would make the host wait for the stream it is issued
+    on (the side stream, which waits for the previous forward). The caching host allocator
+    keeps the pinned buffer alive until the copy has run."""
+    if device.type != "cuda":
+        return torch.tensor(ids, device=device)
+    return torch.tensor(ids, pin_memory=True).to(device, non_blocking=True)
+
+
 def copy_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Maximal runs of (row, host id) pairs where both go up by one, as (first row, first host
     id, length): one DMA per run.
@@ -207,7 +217,7 @@ class HostKVCache:
             (len(dev_ids), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device
         )
         if dev_ids:
-            index = torch.tensor(dev_ids, device=self.device)
+            index = device_index(dev_ids, self.device)
             for layer, dev in enumerate(device_caches):
                 # [2, n, block_size, kv_heads, dim] -> [n, 2, block_size, kv_heads, dim]
                 staged[:, layer].copy_(dev.index_select(1, index).transpose(0, 1))
@@ -234,7 +244,7 @@ class HostKVCache:
         for row, host_id, length in copy_runs(from_host):
             src = self.blocks[host_id : host_id + length]
             staged[row : row + length].copy_(src, non_blocking=non_blocking)
-        index = torch.tensor([d for _, d in pairs], device=self.device)
+        index = device_index([d for _, d in pairs], self.device)
         for layer, dev in enumerate(device_caches):
             dev.index_copy_(1, index, staged[:, layer].transpose(0, 1))
 
