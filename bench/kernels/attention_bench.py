@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from timing import machine_line, num_copies, time_us
 
 PEAK_TBPS = 4.2  # measured device-to-device copy bandwidth of an H200 (shared/notes)
 PEAK_TFLOPS = 790.0  # measured bf16 8192^3 matmul rate of an H200
@@ -82,21 +80,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def machine_line(device: str) -> str:
-    import triton
-
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    if device == "cpu":
-        mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "offline compile"
-        return f"CPU ({platform.processor() or platform.machine()}), Triton {mode}, {versions}"
-    props = torch.cuda.get_device_properties(0)
-    l2_mib = getattr(props, "L2_cache_size", 0) / 2**20
-    return (
-        f"{props.name}, {props.multi_processor_count} SMs, {l2_mib:.0f} MiB L2, "
-        f"{props.total_memory / 2**30:.0f} GiB, {versions}"
-    )
-
-
 def make_step(shape: Shape, chunks: list[tuple[int, int]], seed: int):
     """(query, key, value, kv_cache, metadata) of one step; chunks = (cached, new) per seq."""
     from sits.layers.forward_context import AttentionMetadata
@@ -142,47 +125,6 @@ def make_step(shape: Shape, chunks: list[tuple[int, int]], seed: int):
         cache,
         metadata,
     )
-
-
-def num_copies(nbytes: int, device: str) -> int:
-    """Copies of a problem to cycle through so that one call's data leaves L2 (4x L2)."""
-    if device == "cpu":
-        return 1
-    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-    return max(1, min(32, -(-4 * l2_bytes // max(1, nbytes))))
-
-
-def time_us(fn: Callable[[], object], device: str, reps: int) -> float:
-    """Mean time of fn in microseconds (CUDA graph replay between events; wall clock on CPU)."""
-    fn()
-    if device == "cpu":
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps * 1e6
-    torch.cuda.synchronize()
-    run = fn
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except Exception as error:  # noqa: BLE001 - a benchmark falls back to eager timing
-        print(f"  (graph capture failed, timing eagerly: {error!r})")
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

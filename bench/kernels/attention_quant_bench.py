@@ -27,15 +27,8 @@ import sys
 from dataclasses import replace
 
 import torch
-from attention_bench import (
-    PEAK_TBPS,
-    Shape,
-    machine_line,
-    make_step,
-    max_error,
-    num_copies,
-    time_us,
-)
+from attention_bench import PEAK_TBPS, Shape, make_step, max_error
+from timing import machine_line, num_copies, time_us
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

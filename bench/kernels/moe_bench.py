@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import time
@@ -43,6 +42,7 @@ from moe_tune import (
     random_routing,
     touched_experts,
 )
+from timing import machine_line
 
 PEAK_TBPS = 4.21  # measured device-to-device copy bandwidth of an H200 (shared/notes)
 PEAK_TFLOPS = 792.0  # measured bf16 8192^3 matmul rate of an H200
@@ -81,17 +81,6 @@ def eager_time_us(fn, device: str, reps: int = 3) -> float:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
-
-
-def machine_line(device: str) -> str:
-    import triton
-
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    if device == "cpu":
-        return f"CPU ({platform.processor() or platform.machine()}), interpreter, {versions}"
-    props = torch.cuda.get_device_properties(0)
-    l2_mib = getattr(props, "L2_cache_size", 0) / 2**20
-    return f"{props.name}, {props.multi_processor_count} SMs, {l2_mib:.0f} MiB L2, {versions}"
 
 
 def bench_token_count(shape: Shape, weights: list, count: int, args) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from timing import elapsed_us, graph_or_eager
 
 SHAPES = {  # name: (num_experts, hidden_size, intermediate_size, top_k)
     "qwen3": (128, 2048, 768, 8),  # Qwen3-30B-A3B
@@ -143,36 +144,9 @@ def graph_time_us(fn: Callable[[], object], num_calls: int, device: str) -> floa
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6 / num_calls
-    fn()
-    torch.cuda.synchronize()
-    run = fn
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except Exception as error:  # noqa: BLE001 - a benchmark falls back to eager timing
-        print(f"  (graph capture failed, timing eagerly: {error!r})")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(2, min(50, int(2000 / max(1.0, start.elapsed_time(end) * 1e3))))
-    times = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
+    run = graph_or_eager(fn)
+    reps = max(2, min(50, int(2000 / max(1.0, elapsed_us(run, 1)))))
+    times = [elapsed_us(run, reps) for _ in range(3)]
     return sorted(times)[1] / num_calls
 
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+from timing import machine_line, num_copies, time_us
 
 PEAK_TBPS = 4.2  # measured device-to-device copy bandwidth of an H200 (shared/notes)
 
@@ -51,51 +50,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.tokens, args.hidden_size, args.num_heads, args.num_kv_heads = "1,3", 64, 4, 2
         args.head_dim, args.max_positions, args.reps = 16, 64, 1
     return args
-
-
-def machine_line(device: str) -> str:
-    import triton
-
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    if device == "cpu":
-        return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter, {versions}"
-    props = torch.cuda.get_device_properties(0)
-    return f"{props.name}, {props.multi_processor_count} SMs, {versions}"
-
-
-def num_copies(nbytes: int, device: str) -> int:
-    """Copies of a problem to cycle through so that one call's data leaves L2 (4x L2)."""
-    if device == "cpu":
-        return 1
-    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-    return max(1, min(64, -(-4 * l2_bytes // max(1, nbytes))))
-
-
-def time_us(fn: Callable[[], object], device: str, reps: int) -> float:
-    """Mean time of fn in microseconds (CUDA graph replay between events; wall clock on CPU)."""
-    fn()
-    if device == "cpu":
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def count_kernels(fn: Callable[[], object], device: str) -> int | None:
@@ -129,7 +83,7 @@ def norm_case(args, num_tokens: int, dtype: torch.dtype) -> dict[str, float]:
     norm = make_norm(args.hidden_size, dtype, args.device, seed=0)
     shape = (num_tokens, args.hidden_size)
     nbytes = 4 * num_tokens * args.hidden_size * dtype.itemsize  # 2 reads + 2 writes
-    copies = num_copies(nbytes, args.device)
+    copies = num_copies(nbytes, args.device, max_copies=64)
     inputs = [
         (torch.randn(shape, device=args.device).to(dtype), torch.randn(shape, device=args.device))
         for _ in range(copies)
@@ -171,7 +125,7 @@ def rope_case(args, num_tokens: int, dtype: torch.dtype) -> dict[str, float]:
         norms = (make_norm(dim, dtype, args.device, 1), make_norm(dim, dtype, args.device, 2))
     width = (heads + 2 * kv_heads) * dim
     nbytes = 2 * num_tokens * (heads + kv_heads) * dim * dtype.itemsize + num_tokens * dim * 2
-    copies = num_copies(nbytes, args.device)
+    copies = num_copies(nbytes, args.device, max_copies=64)
     sets = []
     for _ in range(copies):
         qkv = torch.randn(num_tokens, width, device=args.device).to(dtype)
