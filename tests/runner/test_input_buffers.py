@@ -128,3 +128,17 @@ def test_graph_batch_sizes_and_splits() -> None:
     assert decode_splits_for(1, 4, 264, 32) == 32  # capped
     assert decode_splits_for(64, 4, 264, 32) == 2  # ceil(264 / 256)
     assert decode_splits_for(256, 4, 264, 32) == 1
+
+
+def test_padding_only_batch_for_graph_capture() -> None:
+    buffers = _buffers()
+    buffers.prepare(StepPlan([_sr("x", [1] * 20, 0, [1, 2, 3, 4, 5])]))  # leaves stale rows
+    inputs = buffers.prepare_padding(3)
+    md = inputs.metadata
+    assert inputs.input_ids.tolist() == [0, 0, 0] and inputs.positions.tolist() == [0, 0, 0]
+    assert md.slot_mapping.tolist() == [-1, -1, -1]
+    assert md.seq_lens.tolist() == [1, 1, 1] and md.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert md.block_tables[:, 0].tolist() == [0, 0, 0]
+    assert inputs.token_mask is not None and inputs.token_mask.tolist() == [False] * 3
+    assert md.query_start_loc_cpu == [0, 1, 2, 3] and md.seq_lens_cpu == [1, 1, 1]
+    assert (md.max_query_len, md.max_seq_len) == (1, 1)

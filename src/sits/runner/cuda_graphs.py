@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from sits.kernels.triton_utils import cdiv
-from sits.layers.forward_context import AttentionMetadata, ForwardContext
+from sits.layers.forward_context import ForwardContext
 from sits.runner.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -112,14 +112,19 @@ class DecodeGraphs:
                 size, self.num_kv_heads, defaults.decode_target_programs, defaults.decode_max_splits
             )
             config = TritonAttentionConfig.for_head_dim(self.head_dim, decode_num_splits=splits)
-            ctx = self._dummy_context(size, TritonPagedAttention(config))
-            views = self.buffers.view(size)
+            inputs = self.buffers.prepare_padding(size)  # null block, no KV write, not counted
+            ctx = ForwardContext(
+                inputs.metadata,
+                self.kv_caches,
+                TritonPagedAttention(config),
+                token_mask=inputs.token_mask,
+            )
             for _ in range(2):  # compile and settle the allocator outside the capture
-                self.model(views.input_ids, views.positions, ctx)
+                self.model(inputs.input_ids, inputs.positions, ctx)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(views.input_ids, views.positions, ctx)
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             pool = graph.pool()
             self._graphs[size] = _Graph(graph, hidden)
         torch.cuda.synchronize()
@@ -138,28 +143,3 @@ class DecodeGraphs:
         entry = self._graphs[batch_size]
         entry.graph.replay()
         return entry.hidden
-
-    def _dummy_context(self, size: int, backend: object) -> ForwardContext:
-        """Inputs of `size` padding sequences (null block, no KV write, not counted)."""
-        views = self.buffers.view(size)
-        views.input_ids.zero_()
-        views.positions.zero_()
-        views.slot_mapping.fill_(-1)
-        views.token_mask.fill_(False)
-        views.seq_lens.fill_(1)
-        views.block_tables[:, 0] = 0
-        views.query_start_loc.copy_(
-            torch.arange(size + 1, dtype=torch.int32, device=views.query_start_loc.device)
-        )
-        metadata = AttentionMetadata(
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            slot_mapping=views.slot_mapping,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=self.buffers.block_size,
-        )
-        return ForwardContext(metadata, self.kv_caches, backend, token_mask=views.token_mask)

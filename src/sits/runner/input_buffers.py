@@ -208,17 +208,7 @@ class InputBuffers:
         )
         h["token_mask"][:num_tokens] = True
         h["seq_lens"][:num_seqs] = seq_lens
-        if padded_seqs > num_seqs:
-            pad = slice(num_tokens, padded_tokens)
-            h["input_ids"][pad] = 0
-            h["positions"][pad] = 0
-            h["slot_mapping"][pad] = -1
-            h["token_mask"][pad] = False
-            h["seq_lens"][num_seqs:padded_seqs] = 1
-            qsl[num_seqs + 1 : padded_seqs + 1] = (
-                num_tokens + self._arange[1 : padded_seqs - num_seqs + 1]
-            )
-
+        self._write_padding(num_seqs, padded_seqs, num_tokens)
         self._copy(padded_tokens, padded_seqs, tables.shape[1])
         views = self.view(padded_seqs, padded_tokens)
         qsl_cpu = qsl[: num_seqs + 1].tolist()
@@ -239,6 +229,61 @@ class InputBuffers:
             metadata=metadata,
             last_token_indices=[end - 1 for end in qsl_cpu[1:]],
             token_mask=None if padded_tokens == num_tokens else views.token_mask,
+        )
+
+    def prepare_padding(self, num_seqs: int) -> StepInputs:
+        """Fill the first `num_seqs` rows with padding sequences only (what a decode graph is
+        captured over) and copy them to the device.
+
+        Returns:
+            StepInputs over the padding: its metadata's CPU fields describe the `num_seqs`
+            one-token sequences (so a backend plans a pure decode), token_mask is all False.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+        width = 1
+        if self.device.type == "cpu":
+            self._np["block_tables"][:num_seqs, 0] = 0
+        else:
+            self._np["block_tables_stage"][:num_seqs] = 0  # [num_seqs, 1]: the null block
+        self._np["query_start_loc"][0] = 0
+        self._write_padding(0, num_seqs, 0)
+        self._copy(num_seqs, num_seqs, width)
+        views = self.view(num_seqs)
+        metadata = AttentionMetadata(
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            query_start_loc_cpu=list(range(num_seqs + 1)),
+            seq_lens_cpu=[1] * num_seqs,
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=views.input_ids,
+            positions=views.positions,
+            metadata=metadata,
+            last_token_indices=list(range(num_seqs)),
+            token_mask=views.token_mask,
+        )
+
+    def _write_padding(self, num_seqs: int, padded_seqs: int, num_tokens: int) -> None:
+        """Host rows of the padding sequences num_seqs..padded_seqs-1 (tokens from num_tokens
+        on): token 0 at position 0, no KV write (slot -1), masked out, context length 1; their
+        block-table rows (written by the caller) read the null block 0."""
+        if padded_seqs == num_seqs:
+            return
+        h = self._np
+        pad = slice(num_tokens, num_tokens + padded_seqs - num_seqs)
+        h["input_ids"][pad] = 0
+        h["positions"][pad] = 0
+        h["slot_mapping"][pad] = -1
+        h["token_mask"][pad] = False
+        h["seq_lens"][num_seqs:padded_seqs] = 1
+        h["query_start_loc"][num_seqs + 1 : padded_seqs + 1] = (
+            num_tokens + self._arange[1 : padded_seqs - num_seqs + 1]
         )
 
     def _fill_block_tables(self, scheduled: list[ScheduledRequest], padded_seqs: int) -> np.ndarray:
