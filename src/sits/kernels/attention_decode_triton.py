@@ -235,7 +235,7 @@ def triton_decode_attention(
         query, data, kv.scales, block_tables, seq_lens, query_start_loc, output,
         part_acc, part_max, part_sum, num_splits, scale * LOG2_E,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        data.stride(0), data.stride(1), data.stride(2), data.stride(3), *kv.scale_strides,
+        *kv.strides,
         block_tables.stride(0), num_heads * num_splits, num_splits,
         GROUP=group,
         BLOCK_M=max(16, next_power_of_2(group)),

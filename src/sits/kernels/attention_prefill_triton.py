@@ -180,7 +180,7 @@ def triton_prefill_attention(
     prefill_attention_kernel[(num_tiles, num_seqs, num_kv_heads)](
         query, data, kv.scales, block_tables, seq_lens, query_start_loc, output,
         scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        data.stride(0), data.stride(1), data.stride(2), data.stride(3), *kv.scale_strides,
+        *kv.strides,
         block_tables.stride(0),
         GROUP=group,
         GROUP_P2=next_power_of_2(group),

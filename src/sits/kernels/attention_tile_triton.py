@@ -64,6 +64,13 @@ class PagedKV:
     kind: str
     scale_strides: tuple[int, int, int]
 
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The kernels' cache stride arguments: data (K/V, block, offset, kv head), then
+        `scale_strides`."""
+        data = self.data
+        return (data.stride(0), data.stride(1), data.stride(2), data.stride(3), *self.scale_strides)
+
 
 def paged_kv(kv_cache: Tensor | QuantizedKVCache) -> PagedKV:
     """The kernels' view of a cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
