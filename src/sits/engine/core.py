@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
-from sits.core.plan import ScheduledRequest, StepPlan
+from sits.core.plan import ScheduledRequest
 from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
@@ -250,7 +250,6 @@ class EngineCore:
                 self._unreported_first_scheduled.add(sr.request_id)
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
-        tokens_by_tenant = self._tokens_by_tenant(plan)  # before `update` finishes requests
         result = self.runner.run(plan)
         outputs = self.scheduler.update(plan, result)
         end_s = time.monotonic()
@@ -266,7 +265,7 @@ class EngineCore:
                 for sr in prefills:
                     chunks = self._unreported_chunks.setdefault(sr.request_id, [])
                     chunks.append((end_s, sr.num_tokens))
-        self._charge(tokens_by_tenant, end_s - start_s)
+        self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
         for out in outputs:
             if out.request_id in self._unreported_first_scheduled:
                 self._unreported_first_scheduled.discard(out.request_id)
@@ -276,15 +275,6 @@ class EngineCore:
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
         return outputs
-
-    def _tokens_by_tenant(self, plan: StepPlan) -> dict[str, int]:
-        """Tokens scheduled per tenant id in `plan`."""
-        tokens: dict[str, int] = {}
-        for sr in plan.scheduled:
-            request = self.scheduler.get_request(sr.request_id)
-            assert request is not None, sr.request_id  # scheduled requests are tracked
-            tokens[request.tenant_id] = tokens.get(request.tenant_id, 0) + sr.num_tokens
-        return tokens
 
     def _charge(self, tokens_by_tenant: dict[str, int], step_s: float) -> None:
         """Add one step's wall time to `busy_s` and the tenants' shares (see the module doc)."""

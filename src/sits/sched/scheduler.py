@@ -73,6 +73,7 @@ class _StepState:
     num_preempted: int = 0
     deferred_ids: set[str] = field(default_factory=set)  # siblings waiting for their leader
     blocked_tenant_ids: set[str] = field(default_factory=set)  # next request did not fit
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)  # scheduled, per tenant id
 
 
 class Scheduler:
@@ -83,10 +84,12 @@ class Scheduler:
 
     Typical step: `plan = schedule()`; the runner computes it; `outputs = update(plan,
     result)`. Between steps, `add_request` and `finish_requests` (aborts, stop strings).
+    `last_tokens_by_tenant`: tokens the last `schedule()` scheduled, per request tenant id.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.last_tokens_by_tenant: dict[str, int] = {}
         self.swapper = SwapPlanner(config)
         self.kv = KVCacheManager(
             config.num_blocks,
@@ -250,6 +253,7 @@ class Scheduler:
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.swapper.end_step(step.swap_out, step.swap_in)
+        self.last_tokens_by_tenant = step.tokens_by_tenant
         finished_ids, self._finished_ids = self._finished_ids, []
         return StepPlan(
             scheduled=step.scheduled,
@@ -486,6 +490,8 @@ class Scheduler:
         )
         step.scheduled_ids.add(request_id)
         step.token_budget -= num_new_tokens
+        tenant_tokens = step.tokens_by_tenant
+        tenant_tokens[request.tenant_id] = tenant_tokens.get(request.tenant_id, 0) + num_new_tokens
         self._charge(request, tenant, start, end, sample)
         if request_id not in self._known_to_runner:
             self._known_to_runner.add(request_id)
