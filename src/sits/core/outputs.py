@@ -134,6 +134,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add_delta(self, delta: CompletionOutput) -> None:
+        """Append a DELTA output of the same sample (its new text, token ids and logprobs;
+        its finish and stop reasons once it ends)."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
 
 @dataclass(slots=True)
 class RequestOutput:

@@ -212,14 +212,7 @@ class RequestAudit:
             self.arrival_s = output.metrics.arrival_time
             self.first_token_s = output.metrics.first_token_time
         for delta in output.outputs:
-            sample = self.samples[delta.index]
-            sample.text += delta.text
-            sample.token_ids.extend(delta.token_ids)
-            if delta.logprobs is not None:
-                sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
-            if delta.finish_reason is not None:
-                sample.finish_reason = delta.finish_reason
-                sample.stop_reason = delta.stop_reason
+            self.samples[delta.index].add_delta(delta)
         if output.finished:
             self.finish(None)
         return trim_logprobs(output, self.params)

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from sits.core.errors import InvalidParameterError
-from sits.core.outputs import Logprob, RequestOutput
+from sits.core.outputs import CompletionOutput, Logprob, RequestOutput
 from sits.server.auth import request_tenant, require_tenant
 from sits.server.context import ServerContext
 from sits.server.engine_client import ServerTokenizer
@@ -113,22 +113,11 @@ def check_prompt_ids(token_ids: list[int], tokenizer: ServerTokenizer, param: st
 
 
 @dataclass(slots=True)
-class SampleResult:
-    """One joined sample of a non-streamed answer."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
 class PromptResult:
     """The joined answer to one prompt: its samples and prompt facts."""
 
     prompt_token_ids: list[int]
-    samples: list[SampleResult]
+    samples: list[CompletionOutput]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
 
@@ -150,14 +139,7 @@ def join_output(results: list[PromptResult], index: int, output: RequestOutput) 
         result.prompt_logprobs = list(output.prompt_logprobs)
     result.num_cached_tokens = output.num_cached_tokens
     for delta in output.outputs:
-        sample = result.samples[delta.index]
-        sample.text += delta.text
-        sample.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
-        if delta.finish_reason is not None:
-            sample.finish_reason = delta.finish_reason
-            sample.stop_reason = delta.stop_reason
+        result.samples[delta.index].add_delta(delta)
 
 
 async def iterate(first: Item | None, job: GenerationJob) -> AsyncIterator[Item]:
@@ -172,7 +154,7 @@ async def iterate(first: Item | None, job: GenerationJob) -> AsyncIterator[Item]
 async def collect(first: Item | None, job: GenerationJob) -> list[PromptResult]:
     """Join every output of a job into one result per prompt."""
     results = [
-        PromptResult(list(p.token_ids), [SampleResult() for _ in range(p.params.n)])
+        PromptResult(list(p.token_ids), [CompletionOutput(index=i) for i in range(p.params.n)])
         for p in job.prompts
     ]
     async for index, output in iterate(first, job):
