@@ -9,7 +9,10 @@
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min)
-#   kv       the issue-7 targets: prefix-cache TTFT, fp8 vs bf16 KV throughput, host tier
+#   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
+#   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
+#   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min)
+#   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
 #   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
 #            server's wheels: carry .whl, see bench/README.md)
 set -uo pipefail
@@ -31,6 +34,7 @@ run() {  # run NAME CMD...: run a step, keep its log, record its exit code and l
   status+=("$name|$rc|$((SECONDS - t0))s|$(grep -v '^\s*$' "$OUT_DIR/$name.log" | tail -n 1 | cut -c1-90)")
 }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+has kv && SECTIONS="$SECTIONS kv_ttft kv_fp8 kv_host"
 sits() { python3 -m sits.cli.main "$@"; }
 
 if has tests; then
@@ -72,14 +76,18 @@ if has targets; then
     --output-json "$OUT_DIR/target_llama8b.json"
 fi
 
-if has kv; then
+if has kv_ttft; then
   run kv_prefix_ttft python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
     --prefix-len 2000 --suffix-len 100 --num-requests 200 --result-json "$OUT_DIR/kv_prefix.json"
+fi
+if has kv_fp8; then
   for kv in auto fp8; do
     run "kv_throughput_$kv" sits bench throughput --random-weights qwen3-30b-a3b \
       --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
       --kv-cache-dtype "$kv" --output-json "$OUT_DIR/kv_throughput_$kv.json"
   done
+fi
+if has kv_host; then
   shape_dir=$(python3 -c "from sits.bench.shapes import write_shape_dir as w; print(w('qwen3-30b-a3b'))")
   run kv_host_tier python3 bench/kv_tiers.py --model "$shape_dir" --load-format dummy \
     --dtype bfloat16 --kv-cache-memory-bytes 5153960755 --input-len 768 --output-len 256 \

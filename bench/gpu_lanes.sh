@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run gpu_check.sh sections on several GPUs of one machine at once, one lane per GPU, each lane
+# cut at LANE_TIMEOUT seconds (default 560), then pack every log and JSON into $OUT/lanes.tgz
+# (the device tool brings back at most 8 files). Prints each lane's table at the end.
+# Usage: bash bench/gpu_lanes.sh "SECTIONS FOR GPU 0" "SECTIONS FOR GPU 1" ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_ROOT="${OUT:-/tmp/sits-gpu-lanes}"
+mkdir -p "$OUT_ROOT"
+gpu=0
+for sections in "$@"; do
+  lane="$OUT_ROOT/lane$gpu"; mkdir -p "$lane"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$lane" timeout "${LANE_TIMEOUT:-560}" \
+    bash bench/gpu_check.sh $sections >"$lane/console.txt" 2>&1 &
+  gpu=$((gpu + 1))
+done
+wait
+for ((i = 0; i < gpu; i++)); do
+  echo "=== lane $i (GPU $i)"
+  grep -A 100 '^| step |' "$OUT_ROOT/lane$i/console.txt" || tail -n 20 "$OUT_ROOT/lane$i/console.txt"
+done
+(cd "$OUT_ROOT" && tar czf lanes.tgz lane* && rm -rf lane*)
