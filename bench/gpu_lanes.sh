@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run gpu_check.sh sections on several GPUs of one machine at once, one lane per GPU, each lane
-# cut at LANE_TIMEOUT seconds (default 560), then pack every log and JSON into $OUT/lanes.tgz
+# cut at LANE_TIMEOUT seconds (default 560), then pack every log and JSON into $OUT/all-lanes.tgz
 # (the device tool brings back at most 8 files). Prints each lane's table at the end.
 # Usage: bash bench/gpu_lanes.sh "SECTIONS FOR GPU 0" "SECTIONS FOR GPU 1" ...
 set -uo pipefail
@@ -20,4 +20,5 @@ for ((i = 0; i < gpu; i++)); do
   echo "=== lane $i (GPU $i)"
   grep -A 100 '^| step |' "$OUT_ROOT/lane$i/console.txt" || tail -n 20 "$OUT_ROOT/lane$i/console.txt"
 done
-(cd "$OUT_ROOT" && tar czf lanes.tgz lane* && rm -rf lane*)
+(cd "$OUT_ROOT" && tar czf all-lanes.tgz lane[0-9]* && rm -rf lane[0-9]*)
+ls -l "$OUT_ROOT"
