@@ -60,11 +60,13 @@ def build_app(
             ctx.audit.start()
         lifecycle.start()
         ctx.overload_watcher.start()
+        ctx.loop_lag.start()
         try:
             yield
         finally:
             try:
                 await ctx.overload_watcher.stop()
+                await ctx.loop_lag.stop()
                 await lifecycle.stop()
                 if shutdown_engine:
                     await engine.shutdown()

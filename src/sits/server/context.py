@@ -19,6 +19,7 @@ from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
 from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.lifecycle import ServerLifecycle
+from sits.server.loop_lag import EventLoopLagMonitor
 from sits.server.metrics import ServerMetrics
 from sits.server.overload_watch import OverloadWatcher
 from sits.server.qos import QosSettings, ServerQos
@@ -100,6 +101,7 @@ class ServerContext:
     Attributes:
         qos: tenants, rate limits, circuit breaker and overload state.
         overload_watcher: the task feeding `qos` with the engine's load (started by the app).
+        loop_lag: the task measuring the asyncio loop's lag (started by the app).
         metrics: the server's metrics (per tenant too).
         cost: the cost metrics (GPU-seconds per tenant, cost per 1M tokens).
         audit: the audit log (opened by the app's lifespan), or None.
@@ -125,6 +127,7 @@ class ServerContext:
             isolate_prefix_cache=settings.tenants is not None,
         )
         self.overload_watcher = OverloadWatcher(engine, self.qos)
+        self.loop_lag = EventLoopLagMonitor(self.metrics.registry, self.model_name)
         self.audit: ServerAudit | None = None
         if settings.audit is not None:
             config = getattr(engine, "config", None)
