@@ -24,18 +24,20 @@ selected arrival pattern (`--arrival`), on an emptied prefix cache:
   (num_requests - k) * block_size * floor(prefix / block_size) hit tokens, when the first
   request's first step covers the prefix.
 
-Prints the command and, per pattern, mean/p50/p99 TTFT with caching off and on, the ratio
-on/off of the means, the issue's target (mean TTFT with prefix caching <= 20 % of the
-cold-cache TTFT) and the caching-on engine's prefix-cache counters for that pattern (hit
-tokens: prefill tokens the cache saved). `--result-json` writes the sequential pattern's
-`rows`, `ratio` and `prefix_cache` at the top level (as before `--arrival` existed) and each
-pattern's results under its name: {"sequential": {...}, "burst": {...}}.
+Prints the command and, per pattern, mean/p50/p99 TTFT and the engine steps run with caching
+off and on, the ratio on/off of the means, the issue's target (mean TTFT with prefix caching
+<= 20 % of the cold-cache TTFT) and the caching-on engine's prefix-cache counters for that
+pattern (hit tokens: prefill tokens the cache saved). `--result-json` writes the sequential
+pattern's `rows`, `ratio` and `prefix_cache` at the top level (as before `--arrival` existed)
+and each pattern's results under its name: {"arrival": [...], "sequential": {...}, "burst":
+{...}}, each with rows (mean/p50/p99 ms, engine steps), ratio, target_met, prefix_cache.
 
 Examples:
 ```
-# CPU, a tiny random-weights shape (as the test does)
+# CPU, a tiny random-weights shape (as the test does); a 256-token step budget makes the
+# burst queue (with the engine's 2048 all 8 requests fit in the first step: no hits)
 python bench/prefix_ttft.py --random-weights tiny-qwen3-moe --dtype float32 \
-    --prefix-len 200 --suffix-len 10 --num-requests 8
+    --prefix-len 200 --suffix-len 10 --num-requests 8 --max-num-batched-tokens 256
 # H200, the issue's workload
 python bench/prefix_ttft.py --random-weights qwen3-30b-a3b --prefix-len 2000 \
     --suffix-len 100 --num-requests 200 --result-json prefix.json
@@ -131,8 +133,9 @@ def _cache_stats(llm: Any) -> dict[str, int]:
 def _run(
     args: argparse.Namespace, model_dir: str, caching: bool, arrivals: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """Per arrival pattern: TTFT of each request (seconds) and the prefix-cache counters it
-    added (`PrefixCacheStats` fields, tokens), with prefix caching on or off."""
+    """Per arrival pattern: TTFT of each request (seconds), the engine steps it took and the
+    prefix-cache counters it added (`PrefixCacheStats` fields, tokens), with prefix caching
+    on or off."""
     import torch
 
     from sits import LLM, SamplingParams
@@ -159,11 +162,12 @@ def _run(
         # Every pattern starts from an empty cache (the warm-up's or the previous pattern's
         # blocks would be free hits); no request holds blocks between patterns.
         assert llm.engine_core.scheduler.reset_prefix_cache(), "a request still holds blocks"
-        before = _cache_stats(llm)
+        before, first_step = _cache_stats(llm), llm.engine_core.num_steps
         ttfts = MEASURES[arrival](llm, prompts, params)
         after = _cache_stats(llm)
         runs[arrival] = {
             "ttft_s": ttfts,
+            "num_steps": llm.engine_core.num_steps - first_step,
             "prefix_cache": {name: after[name] - before[name] for name in after},
         }
     del llm
@@ -186,7 +190,10 @@ def _report(
     args: argparse.Namespace, arrival: str, cold: dict[str, Any], cached: dict[str, Any]
 ) -> dict[str, Any]:
     """Print one pattern's table, ratio, verdict and prefix-cache counters; return them."""
-    rows = {"cold": _summary(cold["ttft_s"]), "cached": _summary(cached["ttft_s"])}
+    rows = {
+        name: {**_summary(run["ttft_s"]), "num_steps": run["num_steps"]}
+        for name, run in (("cold", cold), ("cached", cached))
+    }
     ratio = rows["cached"]["mean_ms"] / rows["cold"]["mean_ms"]
     how = {
         "sequential": "one at a time (each sent when the previous one has finished)",
@@ -196,13 +203,13 @@ def _report(
         f"\nArrival {arrival}: {args.num_requests} requests of {args.prefix_len} shared + "
         f"{args.suffix_len} own tokens, {how}, 1 output token each"
     )
-    print("| arrival | prefix caching | mean TTFT ms | p50 ms | p99 ms |")
-    print("|---|---|---|---|---|")
+    print("| arrival | prefix caching | mean TTFT ms | p50 ms | p99 ms | engine steps |")
+    print("|---|---|---|---|---|---|")
     for name, label in (("cold", "off"), ("cached", "on")):
         r = rows[name]
         print(
             f"| {arrival} | {label} | {r['mean_ms']:.2f} | {r['p50_ms']:.2f} | "
-            f"{r['p99_ms']:.2f} |"
+            f"{r['p99_ms']:.2f} | {r['num_steps']} |"
         )
     met = ratio <= TARGET_RATIO
     print(
@@ -233,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default=None, help="default: dummy with --random-weights")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="default: the engine's"
-    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     p.add_argument("--prefix-len", type=int, default=2000, help="shared system prompt tokens")
     p.add_argument("--suffix-len", type=int, default=100, help="tokens of each request's own")
     p.add_argument("--num-requests", type=int, default=200)

@@ -32,6 +32,7 @@ from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
+from sits.sched.pacing import TpotPacer
 from sits.sched.scheduler import Scheduler
 from sits.sched.tenants import TenantSchedStats
 
@@ -101,6 +102,8 @@ class EngineCore:
     Attributes:
         runner: the model runner (device state).
         scheduler: the scheduler (KV block and batch decisions).
+        pacer: TPOT pacing of prefill tokens per step, on when a tenant has a TPOT SLO
+            (`sits.sched.pacing`).
         num_steps: steps run so far.
         num_prefill_tokens: prompt (or recomputed) tokens computed so far, cumulative.
         prefill_busy_s: wall seconds of the steps that computed prefill tokens, cumulative
@@ -137,6 +140,10 @@ class EngineCore:
                 kv_bytes_per_block=self.runner.kv_bytes_per_block,
                 swap_cost=SwapCostModel.for_device(self.runner.device.type),
             )
+        )
+        self.pacer = TpotPacer(
+            {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},
+            config.max_num_batched_tokens,
         )
         self.num_steps = 0
         self.num_prefill_tokens = 0
@@ -194,6 +201,7 @@ class EngineCore:
         stop_reason: int | str | None = None,
     ) -> list[EngineCoreOutput]:
         """Finish requests from outside (abort, stop string); frees their blocks at once."""
+        self.pacer.forget(request_ids)
         for request_id in request_ids:
             self._first_scheduled_s.pop(request_id, None)
             self._unreported_first_scheduled.discard(request_id)
@@ -242,7 +250,11 @@ class EngineCore:
             One output per request that produced tokens, logprobs or finished this step.
         """
         start_s = time.monotonic()
-        plan = self.scheduler.schedule()
+        max_prefill_tokens = None
+        if self.pacer.enabled:
+            running = map(self.scheduler.get_request, self.scheduler.running_request_ids())
+            max_prefill_tokens = self.pacer.max_prefill_tokens(start_s, running)
+        plan = self.scheduler.schedule(max_prefill_tokens)
         now = time.monotonic()
         for sr in plan.scheduled:
             if sr.request_id not in self._first_scheduled_s:
@@ -266,6 +278,14 @@ class EngineCore:
                     chunks = self._unreported_chunks.setdefault(sr.request_id, [])
                     chunks.append((end_s, sr.num_tokens))
         self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
+        if self.pacer.enabled and plan.scheduled:
+            self.pacer.observe_step(
+                sum(sr.num_tokens for sr in prefills),
+                end_s - start_s,
+                end_s,
+                (out.request_id for out in outputs if out.new_token_ids),
+                (out.request_id for out in outputs if out.finished),
+            )
         for out in outputs:
             if out.request_id in self._unreported_first_scheduled:
                 self._unreported_first_scheduled.discard(out.request_id)

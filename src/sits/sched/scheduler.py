@@ -65,6 +65,7 @@ class _StepState:
     """What one `schedule()` call has decided so far."""
 
     token_budget: int
+    prefill_budget: int  # tokens left for prompt chunks and recomputes (decodes not counted)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -239,15 +240,21 @@ class Scheduler:
         self._book.set_borrowing_tiers(tiers)
 
     # ----------------------------------------------------------------------------- schedule
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_prefill_tokens: int | None = None) -> StepPlan:
         """Decide this step's work: reclaim reservations, running requests, then waiting ones.
+
+        Args:
+            max_prefill_tokens: at most this many prompt/recompute tokens in the step (TPOT
+                pacing, `sits.sched.pacing`); decodes are not limited. None: the budget.
 
         Returns:
             The plan: scheduled requests in batch order, requests new to the runner, and the
             ids of requests finished since the last call that the runner had been sent.
         """
         self.swapper.begin_step()
-        step = _StepState(token_budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        prefill_budget = budget if max_prefill_tokens is None else min(max_prefill_tokens, budget)
+        step = _StepState(token_budget=budget, prefill_budget=max(prefill_budget, 0))
         if self._book.fair:
             self._reclaim_reservations(step)
         self._schedule_running(step)
@@ -306,6 +313,10 @@ class Scheduler:
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens, step.token_budget
             )
+            if not _is_decode(request):
+                num_new_tokens = min(num_new_tokens, step.prefill_budget)
+                if num_new_tokens == 0:
+                    continue  # paced: its prompt goes on in a later step
             assert num_new_tokens >= 1, request
             tenant = self._tenant(request)
             if self._allocate_or_preempt(request, tenant, num_new_tokens, step):
@@ -410,7 +421,7 @@ class Scheduler:
         unless it failed only because its tier may not borrow (`set_borrowing_tiers`).
         """
         closed = step.num_preempted > 0  # short of blocks: borrowing would only thrash
-        while step.token_budget > 0:
+        while min(step.token_budget, step.prefill_budget) > 0:
             picked = self._next_waiting(step)
             if picked is None:
                 return
@@ -452,7 +463,9 @@ class Scheduler:
         else:  # hits on the device, or on the host tier (copied in: computed tokens too)
             hit = self.kv.get_computed_blocks(request)
             num_cached_tokens = hit.num_tokens
-        num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
+        num_new_tokens = min(
+            request.num_tokens - num_cached_tokens, step.token_budget, step.prefill_budget
+        )
         if not self._try_allocate(
             request, tenant, num_new_tokens, hit, within_reservation, not swapped
         ):
@@ -489,6 +502,8 @@ class Scheduler:
             )
         )
         step.scheduled_ids.add(request_id)
+        if not _is_decode(request):  # before _charge: `start` is its computed tokens now
+            step.prefill_budget -= num_new_tokens
         step.token_budget -= num_new_tokens
         tenant_tokens = step.tokens_by_tenant
         tenant_tokens[request.tenant_id] = tenant_tokens.get(request.tenant_id, 0) + num_new_tokens
@@ -602,3 +617,8 @@ class Scheduler:
         if self._running_finished:
             self._running = [r for r in self._running if not r.is_finished]
             self._running_finished = False
+
+
+def _is_decode(request: Request) -> bool:
+    """True when the request's next work is one decode token (not a prompt chunk/recompute)."""
+    return bool(request.output_token_ids) and request.num_tokens - request.num_computed_tokens == 1

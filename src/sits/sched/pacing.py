@@ -1,0 +1,192 @@
+"""TPOT pacing: how many prefill tokens the next step may take without breaking a TPOT SLO.
+
+A step that batches a long prefill chunk with the running decodes delays every decode's next
+token by the whole step. Tenants with a TPOT SLO (`TenantPolicy.tpot_ms`) need the mean time
+between their output tokens to stay within it, so each decoding request r carries a token
+schedule: its n-th token after the first is due at `t_first(r) + n * tpot(r)`. Before each
+step, `TpotPacer.max_prefill_tokens` finds the tightest slack (due time of the next token -
+now) among running, decoding requests and returns the largest prefill budget whose predicted
+step time fits in it; decode-only steps (fast, often a CUDA graph) then bank time for the next
+long chunk. A request whose TPOT is below the decode-only step time cannot be helped by
+pacing and is left out, so pacing never starves prefill for a schedule it cannot meet; a
+request behind its schedule recovers (tpot - decode step time) per decode-only step, and one
+more than a token behind (e.g. back from a preemption) is rebased to be due now, so no
+request's old lateness holds prefill back for long.
+This is SLO-aware chunk sizing in the spirit of Sarathi-Serve (Agrawal et al., "Taming
+Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI 2024), driven by each
+request's own token schedule instead of one fixed chunk.
+
+Step times come from `StepTimeModel`: an exponential moving average of decode-only steps and
+an online least-squares line (exponentially weighted means of x, y, x^2 and x*y) of mixed
+steps' seconds against their prefill tokens. Until both kinds were observed, pacing is off.
+
+Invariants: `max_prefill_tokens` returns None (no limit) or an int in [0,
+max_num_batched_tokens]; it reads no clock (the caller passes the time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from sits.core.errors import InvalidParameterError
+from sits.core.request import Request
+
+
+class StepTimeModel:
+    """Predicts a step's wall seconds from its prefill tokens (see the module docstring).
+
+    Args:
+        alpha: weight of a new observation in the moving averages, in (0, 1].
+
+    Raises:
+        InvalidParameterError: alpha outside (0, 1].
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        if not 0 < alpha <= 1:
+            raise InvalidParameterError("alpha", f"must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.decode_s: float | None = None  # EMA of decode-only steps, seconds
+        self._moments: list[float] | None = None  # EMAs of x, y, x*x, x*y of mixed steps
+
+    def observe(self, num_prefill_tokens: int, step_s: float) -> None:
+        """Take one step: its prefill tokens (0 for a decode-only step) and wall seconds."""
+        a = self.alpha
+        if num_prefill_tokens == 0:
+            self.decode_s = (
+                step_s if self.decode_s is None else a * step_s + (1 - a) * self.decode_s
+            )
+            return
+        x = float(num_prefill_tokens)
+        sample = (x, step_s, x * x, x * step_s)
+        if self._moments is None:
+            self._moments = list(sample)
+        else:
+            self._moments = [a * s + (1 - a) * m for s, m in zip(sample, self._moments)]
+
+    @property
+    def ready(self) -> bool:
+        """True once both decode-only and mixed steps were observed."""
+        return self.decode_s is not None and self._moments is not None
+
+    def mixed_line(self) -> tuple[float, float]:
+        """(intercept seconds, seconds per prefill token) of mixed steps.
+
+        Without spread in the observed token counts the line goes through the origin and the
+        mean; the slope is never negative and the intercept never below 0.
+
+        Raises:
+            RuntimeError: no mixed step observed yet.
+        """
+        if self._moments is None:
+            raise RuntimeError("no mixed step observed yet")
+        mean_x, mean_y, mean_xx, mean_xy = self._moments
+        var_x = mean_xx - mean_x * mean_x
+        if var_x > 1e-6 * mean_xx:
+            slope = max((mean_xy - mean_x * mean_y) / var_x, 0.0)
+            intercept = mean_y - slope * mean_x
+            if intercept >= 0:
+                return intercept, slope
+        return 0.0, mean_y / mean_x
+
+    def predict(self, num_prefill_tokens: int) -> float:
+        """Predicted seconds of a step with this many prefill tokens (0: decode-only).
+
+        Raises:
+            RuntimeError: the model is not `ready`.
+        """
+        if not self.ready:
+            raise RuntimeError("step time model not ready")
+        if num_prefill_tokens == 0:
+            assert self.decode_s is not None
+            return self.decode_s
+        intercept, slope = self.mixed_line()
+        return intercept + slope * num_prefill_tokens
+
+
+@dataclass(slots=True)
+class TpotPacer:
+    """Tracks first-token times and sizes each step's prefill budget (module docstring).
+
+    Args:
+        tpot_s_by_tenant: tenant id -> TPOT SLO in seconds (tenants without one left out).
+        max_num_batched_tokens: the step's token budget (the largest answer).
+        min_chunk_tokens: a budget below this is rounded down to 0 (a tiny chunk would pay
+            a mixed step's fixed cost for almost nothing).
+        model: the step-time model, fed by the engine after each step.
+    """
+
+    tpot_s_by_tenant: Mapping[str, float]
+    max_num_batched_tokens: int
+    min_chunk_tokens: int = 16
+    model: StepTimeModel | None = None
+    _first_token_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = StepTimeModel()
+
+    @property
+    def enabled(self) -> bool:
+        """True when some tenant has a TPOT SLO."""
+        return bool(self.tpot_s_by_tenant)
+
+    def observe_step(
+        self,
+        num_prefill_tokens: int,
+        step_s: float,
+        end_s: float,
+        sampled_ids: Iterable[str],
+        finished_ids: Iterable[str],
+    ) -> None:
+        """After a step: feed the model and note first tokens and finished requests.
+
+        Args:
+            num_prefill_tokens: prompt (or recomputed) tokens the step computed.
+            step_s: the step's wall seconds (model run and scheduling).
+            end_s: time.monotonic() when its tokens were produced.
+            sampled_ids: ids of the requests that got a token in the step.
+            finished_ids: requests that ended in the step (forgotten).
+        """
+        assert self.model is not None
+        self.model.observe(num_prefill_tokens, step_s)
+        for request_id in sampled_ids:
+            self._first_token_s.setdefault(request_id, end_s)
+        self.forget(finished_ids)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the schedules of requests that ended (unknown ids are ignored)."""
+        for request_id in request_ids:
+            self._first_token_s.pop(request_id, None)
+
+    def max_prefill_tokens(self, now_s: float, running: Iterable[Request]) -> int | None:
+        """Prefill tokens the next step may take, or None for no limit.
+
+        Args:
+            now_s: time.monotonic() now.
+            running: the running requests (a schedule over a token late is rebased).
+        """
+        model = self.model
+        if not self.enabled or model is None or not model.ready:
+            return None
+        decode_s = model.predict(0)
+        slack_s = math.inf
+        for request in running:
+            tpot_s = self.tpot_s_by_tenant.get(request.tenant_id)
+            first_s = self._first_token_s.get(request.request_id)
+            if tpot_s is None or first_s is None or tpot_s <= decode_s:
+                continue
+            due_s = first_s + request.num_output_tokens * tpot_s
+            if due_s < now_s - tpot_s:  # over a token late (e.g. was preempted): rebase
+                self._first_token_s[request.request_id] = now_s - request.num_output_tokens * tpot_s
+                due_s = now_s
+            slack_s = min(slack_s, due_s - now_s)
+        if slack_s == math.inf or model.predict(self.max_num_batched_tokens) <= slack_s:
+            return None
+        intercept, slope = model.mixed_line()
+        if slope <= 0 or slack_s <= intercept:
+            return 0
+        budget = min(int((slack_s - intercept) / slope), self.max_num_batched_tokens)
+        return budget if budget >= self.min_chunk_tokens else 0

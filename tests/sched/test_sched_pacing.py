@@ -1,0 +1,103 @@
+"""TPOT pacing: the step-time model, the pacer's prefill budget, and the scheduler's limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from sits.core.errors import InvalidParameterError
+from sits.sched import Scheduler
+from sits.sched.pacing import StepTimeModel, TpotPacer
+from tests.sched.sched_testlib import fake_result, make_config, make_request, summary
+
+# Mixed steps cost 20 ms + 10 us per prefill token; decode-only steps 10 ms.
+INTERCEPT_S, SLOPE_S, DECODE_S = 0.02, 1e-5, 0.01
+
+
+def _model() -> StepTimeModel:
+    model = StepTimeModel(alpha=0.5)
+    for num_tokens in (100, 1000, 4000, 2500):
+        model.observe(num_tokens, INTERCEPT_S + SLOPE_S * num_tokens)
+    model.observe(0, DECODE_S)
+    return model
+
+
+def test_step_time_model_fits_the_line_and_the_decode_average() -> None:
+    model = StepTimeModel(alpha=0.5)
+    assert not model.ready
+    with pytest.raises(RuntimeError):
+        model.predict(10)
+    model.observe(0, 0.012)
+    model.observe(0, 0.008)
+    assert model.decode_s == pytest.approx(0.010)  # 0.5 * 0.008 + 0.5 * 0.012
+    model.observe(1000, 0.05)
+    assert model.mixed_line() == pytest.approx((0.0, 0.05 / 1000))  # one point: via the origin
+    model = _model()
+    assert model.mixed_line() == pytest.approx((INTERCEPT_S, SLOPE_S))
+    assert model.predict(3000) == pytest.approx(0.05)
+    assert model.predict(0) == pytest.approx(DECODE_S)
+    with pytest.raises(InvalidParameterError):
+        StepTimeModel(alpha=0.0)
+
+
+def test_pacer_budget_follows_the_tightest_token_schedule() -> None:
+    gold = make_request("g", [1, 2, 3], tenant_id="gold")
+    other = make_request("o", [1, 2, 3], tenant_id="free")  # no TPOT SLO: never paces
+    pacer = TpotPacer({"gold": 0.05}, max_num_batched_tokens=8192, model=_model())
+    gold.append_output_token(9)
+    other.append_output_token(9)
+    pacer.observe_step(100, 0.021, end_s=0.0, sampled_ids=["g", "o"], finished_ids=[])
+    pacer.model = _model()  # keep the exact line (observe_step fed it one more point)
+    # Next gold token due at 0 + 1 * 50 ms; a full step (0.10192 s) does not fit.
+    assert pacer.max_prefill_tokens(0.0, [gold, other]) == 3000  # (0.05 - 0.02) / 1e-5
+    assert pacer.max_prefill_tokens(0.0125, [gold]) == 1750
+    assert pacer.max_prefill_tokens(0.0125, [other]) is None
+    assert pacer.max_prefill_tokens(0.0125, []) is None
+    assert pacer.max_prefill_tokens(0.0299, [gold]) == 0  # 10 tokens < min_chunk_tokens 16
+    assert pacer.max_prefill_tokens(0.04, [gold]) == 0  # slack 10 ms < the 20 ms intercept
+    for token in range(4):
+        gold.append_output_token(token)  # 5 tokens: next due at 0.25 s
+    assert pacer.max_prefill_tokens(0.1, [gold]) is None  # 0.15 s of slack: a full step fits
+    # Over a token late (due 0.25 < 1.0 - 0.05): rebased to be due now, then on schedule.
+    assert pacer.max_prefill_tokens(1.0, [gold]) == 0
+    gold.append_output_token(5)
+    assert pacer.max_prefill_tokens(1.0, [gold]) == 3000
+    pacer.forget(["g"])
+    assert pacer.max_prefill_tokens(1.0, [gold]) is None  # no schedule for it any more
+
+
+def test_pacer_leaves_out_what_it_cannot_help_and_waits_for_a_model() -> None:
+    gold = make_request("g", [1, 2, 3], tenant_id="gold")
+    gold.append_output_token(9)
+    tight = TpotPacer({"gold": DECODE_S}, 8192, model=_model())  # TPOT <= decode-only step
+    tight.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
+    tight.model = _model()
+    assert tight.max_prefill_tokens(0.0, [gold]) is None
+    cold = TpotPacer({"gold": 0.05}, 8192)
+    assert cold.enabled and not cold.model.ready
+    cold.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
+    assert cold.max_prefill_tokens(0.0, [gold]) is None  # no mixed step seen yet
+    assert not TpotPacer({}, 8192).enabled
+
+
+def test_scheduler_limits_prefill_tokens_but_not_decodes() -> None:
+    scheduler = Scheduler(make_config(max_num_batched_tokens=64))
+    scheduler.add_request(make_request("A", list(range(8)), max_tokens=8))
+    plan = scheduler.schedule()
+    scheduler.update(plan, fake_result(plan))  # A decodes from now on
+    scheduler.add_request(make_request("B", list(range(20, 40)), max_tokens=4))
+    scheduler.add_request(make_request("C", list(range(50, 55)), max_tokens=2))
+
+    plan = scheduler.schedule(max_prefill_tokens=0)  # decode-only step
+    assert summary(plan) == [("A", 8, 1, True)]
+    scheduler.update(plan, fake_result(plan))
+    plan = scheduler.schedule(max_prefill_tokens=12)  # B gets a 12-token chunk, C nothing
+    assert summary(plan) == [("A", 9, 1, True), ("B", 0, 12, False)]
+    scheduler.update(plan, fake_result(plan))
+    plan = scheduler.schedule(max_prefill_tokens=10)  # B's last 8 tokens, then C's first 2
+    assert summary(plan) == [("A", 10, 1, True), ("B", 12, 8, True), ("C", 0, 2, False)]
+    scheduler.update(plan, fake_result(plan))
+    plan = scheduler.schedule(max_prefill_tokens=0)  # C paused mid-prompt; B decodes
+    assert summary(plan) == [("A", 11, 1, True), ("B", 20, 1, True)]
+    scheduler.update(plan, fake_result(plan))
+    plan = scheduler.schedule()  # no limit: C's remaining 3 tokens
+    assert summary(plan) == [("A", 12, 1, True), ("B", 21, 1, True), ("C", 2, 3, True)]
