@@ -14,7 +14,8 @@
 #   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min)
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
 #   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
-#            server's wheels: carry .whl, see bench/README.md)
+#            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
+#            skips the capacity run and calibrates the rates from C
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -109,13 +110,19 @@ json.dump(cfg, open(os.path.join(dst, "config.json"), "w")); print(dst)
 PY
 )
   serve_args="--load-format dummy --tokenizer src/sits/demo_model --dtype bfloat16"
-  run qos_capacity sits bench qos --model "$qos_dir" --modes fcfs --serve-args "$serve_args" \
-    --tenants-mix bench/qos/capacity.toml --ignore-eos --result-json "$OUT_DIR/qos_capacity.json"
+  if [[ -n "${QOS_CAPACITY:-}" ]]; then  # a capacity (req/s) measured before: no capacity run
+    echo "{\"runs\": {\"fcfs\": {\"totals\": {\"request_throughput\": $QOS_CAPACITY}}}}" \
+      >"$OUT_DIR/qos_capacity.json"
+  else
+    run qos_capacity sits bench qos --model "$qos_dir" --modes fcfs --serve-args "$serve_args" \
+      --tenants-mix bench/qos/capacity.toml --ignore-eos --log-dir "$OUT_DIR/qos-logs" \
+      --result-json "$OUT_DIR/qos_capacity.json"
+  fi
   run qos_calibrate python3 bench/qos/calibrate.py "$OUT_DIR/qos_capacity.json" \
     bench/qos/mix.toml "$OUT_DIR/qos_mix.toml"
   run qos_target sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
     --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" --ignore-eos \
-    --result-json "$OUT_DIR/qos.json"
+    --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos.json"
 fi
 
 echo

@@ -101,12 +101,12 @@ class StepTimer:
 
         return timed
 
-    def schedule(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def schedule(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`Scheduler.schedule` timed; marks pure decode steps."""
         timed_fn = self.add("schedule", fn)
 
-        def timed() -> Any:
-            plan = timed_fn()
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            plan = timed_fn(*args, **kwargs)
             if self.records:
                 self.records[-1].decode = bool(plan.scheduled) and all(
                     sr.num_tokens == 1 for sr in plan.scheduled

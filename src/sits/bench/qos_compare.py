@@ -164,6 +164,7 @@ def run_qos(args: argparse.Namespace) -> int:
     modes = make_modes(names, args.tenants, args.fcfs_tenants)
     command = getattr(args, "command_line", None) or command_line()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sits-bench-qos-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     docs = run_modes(args, modes, log_dir, command)
     comparison = compare(docs)

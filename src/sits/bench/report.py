@@ -147,7 +147,10 @@ def fmt(value: float | None, digits: int = 2) -> str:
 
 def _machine_line(machine: dict[str, Any]) -> str:
     gpus = machine.get("gpus") or []
-    gpu = f"{len(gpus)}x {gpus[0]}" if gpus else "no GPU"
+    if gpus:
+        gpu = f"{len(gpus)}x {gpus[0]}"
+    else:  # torch None: GPUs were not looked up (e.g. each mode of `sits bench qos`)
+        gpu = "no GPU" if machine.get("torch") else "GPUs not queried"
     return f"{machine.get('cpu')} ({machine.get('num_cpus')} CPUs), {gpu}"
 
 
