@@ -11,7 +11,8 @@
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
-#   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min)
+#   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min); --max-num-seqs 1024
+#            so that KV capacity, not the default 256 sequence slots, bounds the batch
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
 #   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
@@ -85,7 +86,7 @@ if has kv_fp8; then
   for kv in auto fp8; do
     run "kv_throughput_$kv" sits bench throughput --random-weights qwen3-30b-a3b \
       --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
-      --kv-cache-dtype "$kv" --output-json "$OUT_DIR/kv_throughput_$kv.json"
+      --max-num-seqs 1024 --kv-cache-dtype "$kv" --output-json "$OUT_DIR/kv_throughput_$kv.json"
   done
 fi
 if has kv_host; then
