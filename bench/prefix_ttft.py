@@ -233,10 +233,14 @@ def _report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sits.bench.shapes import shape_names
+
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--random-weights", help="a named shape of sits.bench.shapes")
+    src.add_argument(
+        "--random-weights", choices=shape_names(), help="a named real shape, random weights"
+    )
     p.add_argument("--load-format", default=None, help="default: dummy with --random-weights")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -60,10 +60,11 @@ def test_switch_interval_flag_and_validation() -> None:
         previous_ms = apply_switch_interval(0.5)
         assert previous_ms == pytest.approx(before * 1e3)
         assert sys.getswitchinterval() == pytest.approx(0.0005)
-        for bad in (0.0, -1.0, float("nan"), float("inf")):
+        for bad in (0.0, -1.0, float("nan"), float("inf"), 1000.5):
             with pytest.raises(InvalidParameterError) as info:
                 apply_switch_interval(bad)
             assert info.value.param == "gil_switch_interval_ms"
+            assert "--gil-switch-interval-ms" in str(info.value)
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)

@@ -31,6 +31,7 @@ from sits.core.errors import InvalidParameterError
 
 logger = logging.getLogger(__name__)
 
+MAX_SWITCH_INTERVAL_MS = 1000.0  # a longer hold would only starve the HTTP side
 _LAG_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -46,11 +47,14 @@ def apply_switch_interval(interval_ms: float) -> float:
         The previous interval in milliseconds.
 
     Raises:
-        InvalidParameterError: interval_ms not a finite number > 0 ("gil_switch_interval_ms").
+        InvalidParameterError: interval_ms not in (0, MAX_SWITCH_INTERVAL_MS]
+            ("gil_switch_interval_ms").
     """
-    if not (math.isfinite(interval_ms) and interval_ms > 0):
+    if not (math.isfinite(interval_ms) and 0 < interval_ms <= MAX_SWITCH_INTERVAL_MS):
         raise InvalidParameterError(
-            "gil_switch_interval_ms", f"must be a number > 0, got {interval_ms}"
+            "gil_switch_interval_ms",
+            f"--gil-switch-interval-ms must be a number in (0, {MAX_SWITCH_INTERVAL_MS:g}] ms, "
+            f"got {interval_ms}",
         )
     previous_ms = sys.getswitchinterval() * 1e3
     sys.setswitchinterval(interval_ms / 1e3)
