@@ -35,9 +35,15 @@ TENANTS = TenantsConfig(
 )
 
 
-def _sched(used: int, reserved: int, running: int = 0, seqs: int = 4) -> SimpleNamespace:
+def _sched(
+    used: int, reserved: int, running: int = 0, seqs: int = 4, blocks_borrowed: int = 0
+) -> SimpleNamespace:
     return SimpleNamespace(
-        blocks_used=used, blocks_reserved=reserved, num_running=running, seqs_reserved=seqs
+        blocks_used=used,
+        blocks_reserved=reserved,
+        num_running=running,
+        seqs_reserved=seqs,
+        blocks_borrowed=blocks_borrowed,
     )
 
 
@@ -203,11 +209,22 @@ def test_watcher_steps_up_defers_and_recovers() -> None:
     qos = _qos(clock, engine)
     watcher = OverloadWatcher(engine, qos)
     assert watcher.tick(now_s=100.0) is OverloadState.GREEN and engine.tiers_set == []
-    # A best-effort request waits 2 s (yellow threshold 1 s): yellow, borrowing stops.
-    engine.snapshot.waiting = {"free": WaitingLoad(98.0, 50)}
+    # Burstable and best-effort backlogs are their own: no state change, borrowing goes on.
+    engine.snapshot.waiting = {"free": WaitingLoad(80.0, 50), "bulk": WaitingLoad(70.0, 900)}
+    assert watcher.tick(now_s=100.0) is OverloadState.GREEN and engine.tiers_set == []
+    # Borrowed blocks are reclaimable: 95 % used of which 50 % borrowed counts as 45 %.
+    engine.snapshot.num_total_blocks = 100
+    engine.snapshot.kv_cache_usage = 0.95
+    engine.snapshot.tenants["bulk"] = _sched(70, 20, blocks_borrowed=50)
+    assert watcher.tick(now_s=100.0) is OverloadState.GREEN
+    assert watcher.last_signals.kv_usage == pytest.approx(0.45)
+    # A guaranteed request waits 2 s (yellow threshold 1 s): yellow, borrowing stops.
+    engine.snapshot.waiting = {"gold": WaitingLoad(98.0, 50), "bulk": WaitingLoad(70.0, 900)}
     assert watcher.tick(now_s=100.0) is OverloadState.YELLOW
+    assert watcher.last_signals.queue_delay_s == 2.0
     assert engine.tiers_set == [frozenset({"guaranteed"})]
-    # Deferred on purpose, its wait no longer counts: calm, and green after the hold.
+    # Served: calm, and green after the hold.
+    engine.snapshot.waiting = {"bulk": WaitingLoad(70.0, 900)}
     assert watcher.tick(now_s=110.0) is OverloadState.YELLOW
     clock.advance(OverloadThresholds().hold_s)
     assert watcher.tick(now_s=115.0) is OverloadState.GREEN
@@ -219,3 +236,38 @@ def test_watcher_steps_up_defers_and_recovers() -> None:
     assert watcher.tick(now_s=116.0) is OverloadState.RED
     assert watcher.snapshot() == (watcher.last_signals, 1000.0)
     assert watcher.last_signals.predicted_ttft_s == 2.5
+
+
+def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() -> None:
+    clock = FakeClock(100.0)
+    engine = FakeEngine()
+    tenants = TenantsConfig(
+        (
+            tenant("gold", tier=Tier.GUARANTEED, reserved_kv_fraction=0.5, ttft_ms=1000),
+            tenant("bulk", tier=Tier.BURSTABLE, reserved_kv_fraction=0.2, ttft_ms=3000),
+            tenant("free", tier=Tier.BEST_EFFORT),
+        )
+    )
+    settings = QosSettings(clock=clock)
+    metrics = TenantMetrics(CollectorRegistry(), "m", tenants)
+    qos = ServerQos(engine, tenants, settings, metrics, isolate_prefix_cache=True)
+    bulk, free, gold = tenants.get("bulk"), tenants.get("free"), tenants.get("gold")
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # holds its reservation: would borrow
+    engine.snapshot.waiting = {
+        "bulk": WaitingLoad(97.5, 100),  # 2.5 s <= its 3 s TTFT SLO
+        "free": WaitingLoad(95.5, 100),  # 4.5 s <= the 5 s red queue delay (no SLO)
+        "gold": WaitingLoad(50.0, 100),  # guaranteed: never shed by its backlog
+    }
+    for t in (bulk, free, gold):
+        qos.admit(t, 1, 1).finish(Outcome.OK, 2)
+    clock.advance(1.0)  # bulk waited 3.5 s, free 5.5 s
+    for t, waited, limit in ((bulk, "3.5", "3"), (free, "5.5", "5")):
+        with pytest.raises(ServerError) as err:
+            qos.admit(t, 1, 1)
+        assert (err.value.status, err.value.code) == (503, "overloaded")
+        assert f"has waited {waited} s, over its {limit} s TTFT" in err.value.message
+        assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
+    assert qos.overload_state is OverloadState.GREEN
+    qos.admit(gold, 1, 1).finish(Outcome.OK, 2)
+    engine.snapshot.tenants["bulk"] = _sched(5, 20, running=1)  # within its reservation
+    qos.admit(bulk, 1, 1).finish(Outcome.OK, 2)

@@ -2,14 +2,16 @@
 
 Each tick (every `QosSettings.overload_poll_s`) reads `engine.stats()` and computes:
 - queue_delay_s: how long the oldest counted waiting request has waited (time.monotonic());
-- kv_usage: the used fraction of KV blocks;
+- kv_usage: the used fraction of KV blocks, less the blocks tenants hold beyond their
+  reservation (borrowed blocks are reclaimed on demand, so they are no pressure on anyone's
+  promise; counting them would stop borrowing whenever borrowers fill idle memory);
 - predicted_ttft_s: counted queued prefill tokens / the measured prefill rate, where the rate
   is an exponential moving average of (prefill tokens computed) / (seconds of the steps
   computing them) over the ticks in which prefill happened; 0 until a first measurement;
 - min_ttft_slo_s: the tightest TTFT SLO of the tenants (`TenantsConfig.min_ttft_ms`).
-Counted work is that of tenants the engine may start now (`ServerQos.counts_toward_load`):
-in yellow and red, work deferred on purpose (best-effort, borrowing burstable) is left out,
-or its ever-growing wait would hold the server out of green forever.
+Counted work is that of guaranteed tenants (and of tenants not configured):
+`ServerQos.counts_toward_load`. A burstable or best-effort tenant's backlog is bounded per
+tenant at admission instead (`ServerQos.backlog_shed_reason`).
 `ServerQos.observe` turns the signals into the state (green / yellow / red) and the engine's
 borrowing tiers. A tick that cannot read stats (dead engine) changes nothing.
 """
@@ -78,7 +80,8 @@ def overload_signals(
 
     Args:
         stats: the snapshot; its per-tenant `waiting` loads are used when it has them (else
-            its totals; fields missing on a test double count as 0).
+            its totals; fields missing on a test double count as 0), and its per-tenant
+            borrowed blocks are taken off the KV usage.
         now_s: time.monotonic() now.
         rate_tokens_per_s: measured prefill rate, or None (no TTFT prediction yet).
         min_ttft_ms: the tightest tenant TTFT SLO, or None (TTFT signal off).
@@ -95,9 +98,15 @@ def overload_signals(
         queued = sum(w.num_prefill_tokens for w in loads)
     queue_delay_s = 0.0 if oldest_s is None else max(now_s - oldest_s, 0.0)
     predicted_s = queued / rate_tokens_per_s if rate_tokens_per_s else 0.0
+    kv_usage = float(getattr(stats, "kv_cache_usage", 0.0))
+    num_total_blocks = getattr(stats, "num_total_blocks", 0)
+    tenants = getattr(stats, "tenants", None) or {}
+    if num_total_blocks and tenants:
+        borrowed = sum(t.blocks_borrowed for t in tenants.values())
+        kv_usage = max(kv_usage - borrowed / num_total_blocks, 0.0)
     return OverloadSignals(
         queue_delay_s=queue_delay_s,
-        kv_usage=float(getattr(stats, "kv_cache_usage", 0.0)),
+        kv_usage=kv_usage,
         predicted_ttft_s=predicted_s,
         min_ttft_slo_s=None if min_ttft_ms is None else min_ttft_ms / 1000.0,
     )
@@ -129,13 +138,8 @@ class OverloadWatcher:
             getattr(stats, "num_prefill_tokens", 0), getattr(stats, "prefill_busy_s", 0.0)
         )
         now_s = time.monotonic() if now_s is None else now_s
-        tenant_stats = getattr(stats, "tenants", None) or {}
         signals = overload_signals(
-            stats,
-            now_s,
-            rate,
-            self.qos.tenants.min_ttft_ms,
-            lambda tenant_id: self.qos.counts_toward_load(tenant_id, tenant_stats),
+            stats, now_s, rate, self.qos.tenants.min_ttft_ms, self.qos.counts_toward_load
         )
         self.last_signals = signals
         before = self.qos.overload_state

@@ -21,10 +21,8 @@ engine's per-tenant stats); without configured tenants in the engine nobody borr
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from sits.admission import (
     AdmissionController,
@@ -39,6 +37,7 @@ from sits.admission import (
     OverloadState,
     OverloadThresholds,
     RejectReason,
+    SystemClock,
     ratelimit_headers,
     retry_after_headers,
 )
@@ -182,6 +181,7 @@ class ServerQos:
         self.metrics = metrics
         self.isolate_prefix_cache = isolate_prefix_cache
         clock = settings.clock
+        self.clock: Clock = clock if clock is not None else SystemClock()
         self.admission = AdmissionController(
             tenants,
             clock,
@@ -254,22 +254,44 @@ class ServerQos:
         self._applied_tiers = tiers
         logger.info("overload %s: tiers allowed to borrow: %s", state.value, sorted(tiers))
 
-    def counts_toward_load(self, tenant_id: str, tenant_stats: Mapping[str, Any]) -> bool:
-        """Does the tenant's queued work count in the overload signals now?
+    def counts_toward_load(self, tenant_id: str) -> bool:
+        """Does the tenant's queued work count in the overload signals?
 
-        In green, everyone's does. In yellow and red only work the engine may start: a
-        guaranteed tenant's, or a tenant's with reserved blocks and slots still free (from
-        `tenant_stats`, the engine's per-tenant stats); a tenant not configured counts.
+        A guaranteed tenant's does, and a tenant's that is not configured: the state measures
+        the risk to protected work. A burstable or best-effort tenant's backlog is its own
+        (the reclaim of reservations keeps it from delaying guaranteed work); it is bounded by
+        `backlog_shed_reason` instead. Counting it would hold the server in yellow or red,
+        where borrowing stops, while the GPU idles (seen on the H200 on 2026-11-30: red for
+        minutes at 4 % KV use, because a burstable tenant's oldest request kept aging).
         """
-        if self.overload_state is OverloadState.GREEN:
-            return True
         tenant = self.tenants.get(tenant_id)
-        if tenant is None or tenant.tier is Tier.GUARANTEED:
-            return True
-        own = tenant_stats.get(tenant_id)
-        if own is None:
-            return tenant.tier is not Tier.BEST_EFFORT
-        return own.blocks_used < own.blocks_reserved and own.num_running < own.seqs_reserved
+        return tenant is None or tenant.tier is Tier.GUARANTEED
+
+    def backlog_shed_reason(self, tenant: TenantConfig) -> str | None:
+        """Why new over-quota work of a burstable or best-effort tenant is shed now, or None.
+
+        Shed when the tenant's own oldest queued request has already waited longer than its
+        TTFT SLO (without one: the red queue-delay threshold): a new request would wait at
+        least as long (its queue is served oldest deadline first), so it could only miss.
+        """
+        if tenant.tier is Tier.GUARANTEED:
+            return None
+        try:
+            waiting = getattr(self.engine.stats(), "waiting", None) or {}
+        except Exception:  # noqa: BLE001 - no stats: nothing to judge by
+            return None
+        own = waiting.get(tenant.id)
+        if own is None or own.oldest_arrival_s is None:
+            return None
+        limit_s = (
+            tenant.ttft_ms / 1000
+            if tenant.ttft_ms is not None
+            else self.settings.overload.red_queue_delay_s
+        )
+        waited_s = self.clock.monotonic() - own.oldest_arrival_s
+        if waited_s <= limit_s:
+            return None
+        return f"its queued work has waited {waited_s:.1f} s, over its {limit_s:g} s TTFT"
 
     def would_borrow(self, tenant: TenantConfig) -> bool:
         """True when new work of the tenant would go beyond its reservation (see module)."""
@@ -321,17 +343,23 @@ class ServerQos:
 
     def _check_overload(self, tenant: TenantConfig) -> None:
         state = self.overload_state
-        if state is OverloadState.GREEN:
+        if tenant.tier is Tier.GUARANTEED and state is OverloadState.GREEN:
             return
         over_quota = tenant.tier is Tier.BEST_EFFORT or self.would_borrow(tenant)
-        decision = self.policy.admit(state, tenant.tier, over_quota)
-        if decision.admitted:
+        if not over_quota:
             return
-        retry_s = decision.retry_after_s or 1
+        decision = self.policy.admit(state, tenant.tier, over_quota)
+        why = f"the server is overloaded ({state.value})"
+        if decision.admitted:
+            backlog = self.backlog_shed_reason(tenant)
+            if backlog is None:
+                return
+            why = backlog
+        retry_s = decision.retry_after_s or self.settings.shed_retry_after_s
         raise ServerError(
             503,
-            f"The server is overloaded ({state.value}): new work of tenant '{tenant.id}' "
-            f"({tenant.tier.value}, beyond its reservation) is shed. Retry after {retry_s} s.",
+            f"New work of tenant '{tenant.id}' ({tenant.tier.value}, beyond its reservation) "
+            f"is shed: {why}. Retry after {retry_s} s.",
             type="service_unavailable_error",
             code="overloaded",
             headers=retry_after_headers(retry_s),

@@ -279,8 +279,10 @@ class TenantsConfig:
 
     @property
     def min_ttft_ms(self) -> float | None:
-        """The tightest TTFT SLO over all tenants (input of the overload monitor); None if none."""
-        slos = [t.ttft_ms for t in self.tenants if t.ttft_ms is not None]
+        """The tightest TTFT SLO of the guaranteed tenants, whose queued work the overload
+        monitor measures (`ServerQos.counts_toward_load`); None if none has one."""
+        guaranteed = [t for t in self.tenants if t.tier is Tier.GUARANTEED]
+        slos = [t.ttft_ms for t in guaranteed if t.ttft_ms is not None]
         return min(slos) if slos else None
 
     def get(self, tenant_id: str) -> TenantConfig | None:
