@@ -75,6 +75,7 @@ def build_app(
                     await ctx.audit.close()  # after the drain: every job has ended
                 if ctx.tracer is not None:
                     await ctx.tracer.shutdown()  # flushes the kept spans
+                ctx.tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="sits",

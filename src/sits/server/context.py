@@ -7,9 +7,14 @@ from `request.app.state.ctx`; nothing is global.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import math
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from sits.core.errors import InvalidParameterError
 from sits.obs.tracing import TracingSettings
@@ -26,6 +31,8 @@ from sits.server.qos import QosSettings, ServerQos
 from sits.server.tenant_metrics import QosCollector, TenantMetrics
 from sits.server.tracing import RequestTracer
 from sits.tenancy import TenantConfig, TenantsConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,8 @@ class ServerContext:
         cost: the cost metrics (GPU-seconds per tenant, cost per 1M tokens).
         audit: the audit log (opened by the app's lifespan), or None.
         tracer: the request tracer (`sits.server.tracing`), or None when tracing is off.
+        tokenize_executor: the one thread that tokenizes prompts (`run_tokenizer`); shut down
+            by the app's lifespan.
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class ServerContext:
         )
         self.overload_watcher = OverloadWatcher(engine, self.qos)
         self.loop_lag = EventLoopLagMonitor(self.metrics.registry, self.model_name)
+        self.tokenize_executor = ThreadPoolExecutor(1, thread_name_prefix="sits-tokenize")
         self.audit: ServerAudit | None = None
         if settings.audit is not None:
             config = getattr(engine, "config", None)
@@ -146,6 +156,19 @@ class ServerContext:
             engine.stats, tenants, tenant_metrics, self.model_name, settings.gpu_price_per_hour
         )
         self.metrics.registry.register(self.cost)
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer thread, with the caller's context variables.
+
+        Tokenizing off the event loop keeps one huge prompt from stalling every other request;
+        one thread keeps the (stateful) fast tokenizer from running two encodes at once.
+
+        Raises:
+            Whatever `fn` raises.
+        """
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self.tokenize_executor, context.run, fn, *args)
 
     @property
     def tokenizer(self) -> ServerTokenizer:

@@ -246,7 +246,7 @@ async def create_chat_completion(
             "chatcmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
         )
 
-    ticket, qos, job = start_request(ctx, raw, prepare)
+    ticket, qos, job = await start_request(ctx, raw, prepare)
     renderer = _ChatRenderer(ctx, req, prompts[0], job.request_id)
     return await serve_job(
         ctx,

@@ -2,7 +2,9 @@
 DELTA outputs.
 
 `start_request` admits one generation request: the server lifecycle (drain, engine health),
-then the handler's parsing and tokenizing (`prepare`), then QoS (`ServerQos.admit`: breaker,
+then the handler's parsing and tokenizing (`prepare`, run on the context's one tokenizer
+thread, so a huge prompt never stalls the event loop and the tokenizer is never used by two
+encodes at once), then QoS (`ServerQos.admit`: breaker,
 overload, rate limits) with the job's whole token reservation; any refusal on the way is
 counted as the tenant's outcome and nothing stays held. A body refused before the handler
 runs (invalid JSON, a field of the wrong type) is counted too, as a 400 of its tenant
@@ -190,7 +192,7 @@ def results_usage(results: list[PromptResult], with_details: bool = False) -> Us
     )
 
 
-def start_request(
+async def start_request(
     ctx: ServerContext, raw: Request, prepare: Callable[[TenantConfig], GenerationJob]
 ) -> tuple[Ticket, QosTicket, GenerationJob]:
     """Admit a generation request (see the module docstring).
@@ -198,7 +200,8 @@ def start_request(
     Args:
         ctx: the server context.
         raw: the HTTP request (its tenant was set by the auth dependency).
-        prepare: checks and tokenizes the request and builds its job for the tenant.
+        prepare: checks and tokenizes the request and builds its job for the tenant; runs
+            on `ctx.tokenize_executor` (with the caller's context variables).
 
     Raises:
         ServerError, SitsError: refusals (503, 429, 400, 404), counted per tenant.
@@ -209,7 +212,7 @@ def start_request(
         with trace_admission(trace):
             ticket = ctx.lifecycle.admit()
             try:
-                job = prepare(tenant)
+                job = await ctx.run_tokenizer(prepare, tenant)
                 prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
                 max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)
                 qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens)

@@ -265,7 +265,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
             "cmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
         )
 
-    ticket, qos, job = start_request(ctx, raw, prepare)
+    ticket, qos, job = await start_request(ctx, raw, prepare)
     renderer = _CompletionRenderer(ctx, req, prompts, job.request_id)
     return await serve_job(
         ctx,
