@@ -8,29 +8,68 @@ from typing import Any
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
     """Add the `EngineConfig` flags to a parser."""
-    parser.add_argument("--model", required=model_required, default=None)
-    parser.add_argument("--tokenizer", default=None)
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+        "--model",
+        required=model_required,
+        default=None,
+        help="Hugging Face checkpoint directory (or a model id already in the local cache)",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory or id (default: the model's)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights and activations (auto: the checkpoint's torch_dtype; float32 on a CPU)",
+    )
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one engine step (prompt chunks and decodes together)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests running at once"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context length)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="bytes of KV cache (default: what --gpu-memory-utilization leaves on a GPU; 1 GiB on a CPU)",
+    )
     # No argparse `choices`: EngineConfig validates (InvalidParameterError naming the field).
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="KV cache storage: auto (model dtype), fp8 (e4m3, per-head scales) or int8",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory for weights, activations and KV cache",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes (on by default)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (every step runs eagerly)"
+    )
     parser.add_argument(
         "--cpu-offload-gb",
         type=float,
