@@ -46,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
-        help="bytes of KV cache (default: what --gpu-memory-utilization leaves on a GPU; 1 GiB on a CPU)",
+        help="bytes of KV cache (default: what --gpu-memory-utilization leaves on a GPU; "
+        "1 GiB on a CPU)",
     )
     # No argparse `choices`: EngineConfig validates (InvalidParameterError naming the field).
     parser.add_argument(
