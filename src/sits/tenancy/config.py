@@ -106,11 +106,15 @@ class TenantConfig:
         self._normalize_tier()
         self._check_reservation()
         if not (math.isfinite(self.weight) and self.weight > 0):
-            raise TenantValidationError("weight", f"weight must be > 0, got {self.weight}")
+            raise TenantValidationError(
+                "weight", f"weight must be a finite number > 0, got {self.weight}"
+            )
         for name in ("ttft_ms", "tpot_ms"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise TenantValidationError(name, f"{name} must be > 0, got {value}")
+                raise TenantValidationError(
+                    name, f"{name} must be a finite number > 0, got {value}"
+                )
         for name in _LIMIT_FIELDS:
             value = getattr(self, name)
             if value is not None and value < 1:
