@@ -3,6 +3,7 @@ live server's context."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ NEVER_OVERLOADED = OverloadThresholds(
     red_kv_usage=1.0,
     yellow_ttft_ratio=1e18,
     red_ttft_ratio=1e18,
+    backlog_shed_factor=math.inf,
 )
 
 

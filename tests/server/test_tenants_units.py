@@ -271,3 +271,13 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     qos.admit(gold, 1, 1).finish(Outcome.OK, 2)
     engine.snapshot.tenants["bulk"] = _sched(5, 20, running=1)  # within its reservation
     qos.admit(bulk, 1, 1).finish(Outcome.OK, 2)
+    # backlog_shed_factor 2: bulk may wait 6 s, free 10 s before their new work is shed.
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)
+    lenient = QosSettings(clock=clock, overload=OverloadThresholds(backlog_shed_factor=2.0))
+    qos = ServerQos(engine, tenants, lenient, metrics, isolate_prefix_cache=True)
+    for t in (bulk, free):
+        qos.admit(t, 1, 1).finish(Outcome.OK, 2)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(InvalidParameterError) as err:
+            OverloadThresholds(backlog_shed_factor=bad)
+        assert err.value.param == "backlog_shed_factor"

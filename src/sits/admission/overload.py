@@ -66,10 +66,13 @@ class OverloadThresholds:
         exit_ratio: in (0, 1]; to step down, every signal must be < exit_ratio x the current
             level's threshold.
         hold_s: seconds the signals must stay under the exit levels before one step down.
+        backlog_shed_factor: a burstable or best-effort tenant's new over-quota work is shed
+            once its own oldest queued request has waited this many times its TTFT SLO
+            (`ServerQos.backlog_shed_reason`); math.inf turns that off.
 
     Raises:
         InvalidParameterError: a threshold <= 0, yellow > red, kv over 1, exit_ratio outside
-            (0, 1], or hold_s < 0.
+            (0, 1], hold_s < 0, or backlog_shed_factor <= 0 (or NaN).
     """
 
     yellow_queue_delay_s: float = 1.0
@@ -80,6 +83,7 @@ class OverloadThresholds:
     red_ttft_ratio: float = 2.0
     exit_ratio: float = 0.8
     hold_s: float = 5.0
+    backlog_shed_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for kind in ("queue_delay_s", "kv_usage", "ttft_ratio"):
@@ -95,6 +99,10 @@ class OverloadThresholds:
             raise InvalidParameterError("exit_ratio", f"must be in (0, 1], got {self.exit_ratio}")
         if not self.hold_s >= 0:
             raise InvalidParameterError("hold_s", f"must be >= 0, got {self.hold_s}")
+        if not self.backlog_shed_factor > 0:
+            raise InvalidParameterError(
+                "backlog_shed_factor", f"must be > 0, got {self.backlog_shed_factor}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

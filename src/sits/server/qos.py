@@ -270,9 +270,10 @@ class ServerQos:
     def backlog_shed_reason(self, tenant: TenantConfig) -> str | None:
         """Why new over-quota work of a burstable or best-effort tenant is shed now, or None.
 
-        Shed when the tenant's own oldest queued request has already waited longer than its
-        TTFT SLO (without one: the red queue-delay threshold): a new request would wait at
-        least as long (its queue is served oldest deadline first), so it could only miss.
+        Shed when the tenant's own oldest queued request has already waited longer than
+        `backlog_shed_factor` x its TTFT SLO (without one: the red queue-delay threshold): a
+        new request would wait at least as long (its queue is served oldest deadline first),
+        so it could only miss.
         """
         if tenant.tier is Tier.GUARANTEED:
             return None
@@ -283,11 +284,9 @@ class ServerQos:
         own = waiting.get(tenant.id)
         if own is None or own.oldest_arrival_s is None:
             return None
-        limit_s = (
-            tenant.ttft_ms / 1000
-            if tenant.ttft_ms is not None
-            else self.settings.overload.red_queue_delay_s
-        )
+        thresholds = self.settings.overload
+        slo_s = thresholds.red_queue_delay_s if tenant.ttft_ms is None else tenant.ttft_ms / 1000
+        limit_s = thresholds.backlog_shed_factor * slo_s
         waited_s = self.clock.monotonic() - own.oldest_arrival_s
         if waited_s <= limit_s:
             return None
