@@ -9,7 +9,8 @@ SITS_ADMIN_KEY.
 With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded before any
 model work; a malformed file exits 2 with the file, line and field named, and an API key
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
-FCFS scheduling.
+FCFS scheduling. With `--engine-process` the engine's step loop runs in a child process
+(`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop.
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "thread and the HTTP loop share the GIL, and a smaller value keeps the HTTP side (and "
         "so TTFT/ITL under load) from waiting behind the engine's kernel launches; see "
         "sits:event_loop_lag_seconds",
+    )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine's step loop in its own process (AsyncMPLLM) instead of a thread "
+        "of the server process: keeps the HTTP event loop off the engine's GIL (no waiting "
+        "behind kernel launches; see sits:event_loop_lag_seconds), for one extra process and "
+        "a pipe hop per step (default off)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -288,10 +297,12 @@ def run_serve(args: argparse.Namespace) -> int:
         kwargs["served_model_name"] = DEMO_MODEL_NAME
     try:
         from sits.engine.async_llm import AsyncLLM
+        from sits.engine.async_mp import AsyncMPLLM
         from sits.engine.builder import tenant_policies_of
 
         config = EngineConfig(**kwargs)
-        engine = AsyncLLM(
+        engine_class = AsyncMPLLM if args.engine_process else AsyncLLM
+        engine = engine_class(
             config,
             tenant_policies=tenant_policies_of(tenants),
             expert_freeze_after=args.expert_freeze_after,

@@ -5,7 +5,9 @@ delivers outputs to one queue per request, so HTTP work never runs on the step l
 Commands reach the engine thread through a thread-safe inbox; outputs come back with
 `loop.call_soon_threadsafe`. Invariants: every request that leaves `generate` unfinished
 (client gone, task cancelled) is aborted and its KV blocks freed at the next loop iteration;
-if the loop dies, every in-flight request gets `EngineDeadError` at once.
+if the loop dies, every in-flight request gets `EngineDeadError` at once. The request side
+(`generate`, `abort`, delivering outputs) is `RequestFrontEnd`, shared with `AsyncMPLLM`
+(`sits.engine.async_mp`, the same API with the step loop in a child process).
 
 `stats()` is a snapshot the engine thread refreshes after each step and each batch of inbox
 commands; its queue and per-tenant part (an O(requests) scan) is refreshed at most every
@@ -30,20 +32,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
-from sits.core.outputs import EngineCoreOutput, RequestOutput
-from sits.core.request import FinishReason
-from sits.core.sampling_params import SamplingParams
+from sits.core.request import Request
 from sits.engine.builder import build_engine
-from sits.engine.core import PrefillChunk, WaitingLoad
+from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
+from sits.engine.front_end import RequestFrontEnd, parse_tiers, tier_values
 from sits.engine.output_processor import OutputProcessor
-from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.kvcache.host_pool import SwapStats
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertMonitor, ExpertStats
 from sits.sched.config import TenantPolicy, TenantTier
@@ -125,7 +125,7 @@ class EngineStats:
         return max(now_s - self.oldest_waiting_arrival_s, 0.0)
 
 
-class AsyncLLM:
+class AsyncLLM(RequestFrontEnd):
     """Asynchronous engine front end.
 
     Args:
@@ -184,69 +184,7 @@ class AsyncLLM:
         self._thread.start()
 
     # ---- public API ---------------------------------------------------------------------
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        tenant_id: str = "default",
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Run one request; yields RequestOutputs as `params.output_kind` says.
-
-        Raises:
-            InvalidParameterError, PromptTooLongError: before anything is yielded.
-            EngineDeadError: the engine loop is dead or hung (at once), or died meanwhile.
-        """
-        self._check_alive()
-        if self._processor.has_request(request_id):
-            raise InvalidParameterError("request_id", f"request id {request_id!r} is in use")
-        children = make_engine_requests(
-            request_id,
-            prompt_token_ids,
-            params,
-            eos_token_ids=self.info.eos_token_ids,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            tenant_id=tenant_id,
-            priority=priority,
-            cache_salt=cache_salt,
-        )
-        for child in children:
-            self.engine_core.check_request(child.prompt_token_ids, child.max_tokens)
-        self._loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
-        self._processor.add_request(
-            request_id,
-            child_request_ids(request_id, params.n),
-            prompt,
-            list(prompt_token_ids),
-            params,
-            children[0].arrival_time,
-            sink,
-        )
-        self._inbox.put(("add", request_id, children))
-        finished = False
-        try:
-            while True:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._abort_now(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its KV blocks are freed at the engine's next loop iteration."""
-        self._abort_now(request_id)
+    # generate / abort: `RequestFrontEnd`.
 
     def is_healthy(self) -> bool:
         """True while the engine thread is alive and its loop keeps turning."""
@@ -269,9 +207,7 @@ class AsyncLLM:
         Raises:
             ValueError: an unknown tier.
         """
-        values = {tier.value if isinstance(tier, Enum) else str(tier) for tier in tiers}
-        chosen = frozenset(TenantTier(value) for value in values)
-        self._inbox.put(("borrowing", chosen))
+        self._inbox.put(("borrowing", parse_tiers(tiers)))
 
     async def expert_stats(self) -> ExpertStats | None:
         """A fresh read of the MoE experts' counters (None for a dense model).
@@ -345,10 +281,12 @@ class AsyncLLM:
 
     # ---- asyncio side -------------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        if not self.is_healthy():
-            reason = self.dead_error or "the engine loop is not responding"
-            raise EngineDeadError(f"engine is not available: {reason}")
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+
+    def _check_requests(self, children: list[Request]) -> None:
+        for child in children:
+            self.engine_core.check_request(child.prompt_token_ids, child.max_tokens)
 
     async def _call_on_engine(self, fn: Callable[[], object]) -> object:
         """Run `fn()` on the engine thread between steps and return (or raise) its result."""
@@ -361,30 +299,6 @@ class AsyncLLM:
         if self._experts is None:
             raise InvalidParameterError("layer", "the model has no MoE layers")
         return self._experts
-
-    def _abort_now(self, request_id: str) -> None:
-        open_ids = self._processor.remove_request(request_id)
-        if open_ids:
-            self._inbox.put(("finish", open_ids, FinishReason.ABORT, None))
-
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
-        processed = self._processor.process(outputs)
-        for child_id, stop_str in processed.stop_requests:
-            self._inbox.put(("finish", [child_id], FinishReason.STOP, stop_str))
-        for sink, out in processed.request_outputs:
-            sink.put_nowait(out)
-
-    def _fail_request(self, request_id: str, error: BaseException) -> None:
-        sink = self._processor.sink_of(request_id)
-        open_ids = self._processor.remove_request(request_id)
-        if open_ids:
-            self._inbox.put(("finish", open_ids, FinishReason.ABORT, None))
-        if sink is not None:
-            sink.put_nowait(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in self._processor.request_ids():
-            self._fail_request(request_id, error)
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -452,7 +366,7 @@ class AsyncLLM:
         elif kind == "borrowing":
             tiers = command[1]
             self.engine_core.scheduler.set_borrowing_tiers(tiers)
-            self._borrowing_tiers = tuple(t.value for t in TenantTier if t in tiers)
+            self._borrowing_tiers = tier_values(tiers)
         elif kind == "call":
             _, fn, future = command
             try:
@@ -473,39 +387,66 @@ class AsyncLLM:
         return stats
 
     def _update_stats(self, force: bool = False) -> None:
-        core = self.engine_core
-        sched = core.scheduler
         now_s = time.monotonic()
-        previous = self._stats
-        tenants, waiting = previous.tenants, previous.waiting
-        if force or now_s - self._load_time_s >= _LOAD_STATS_PERIOD_S:
+        refresh_load = force or now_s - self._load_time_s >= _LOAD_STATS_PERIOD_S
+        if refresh_load:
             self._load_time_s = now_s
-            tenants = core.tenant_stats()
-            waiting = core.waiting_load()
-        arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
-        prefix_cache = sched.prefix_cache_stats
-        self._stats = EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=sched.kv_usage,
-            num_free_blocks=sched.num_free_blocks,
-            num_total_blocks=sched.num_total_blocks,
-            num_preemptions=sched.num_preemptions,
-            num_steps=core.num_steps,
-            tenants=tenants,
-            waiting=waiting,
-            oldest_waiting_arrival_s=min(arrivals, default=None),
-            num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
-            num_prefill_tokens=core.num_prefill_tokens,
-            prefill_busy_s=core.prefill_busy_s,
+        self._stats = snapshot_stats(
+            self.engine_core,
+            self._stats,
+            refresh_load=refresh_load,
             borrowing_tiers=self._borrowing_tiers,
-            num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
-            num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
-            swap=dataclasses.replace(sched.swap_stats),
-            num_host_blocks_used=sched.host.num_used_blocks,
-            num_host_blocks_total=sched.config.num_host_blocks,
             experts=self._expert_stats,
-            busy_s=core.busy_s,
-            tenant_busy_s=dict(core.tenant_busy_s),
-            time_s=now_s,
+            now_s=now_s,
         )
+
+
+def snapshot_stats(
+    core: EngineCore,
+    previous: EngineStats,
+    *,
+    refresh_load: bool,
+    borrowing_tiers: tuple[str, ...],
+    experts: ExpertStats | None,
+    now_s: float,
+) -> EngineStats:
+    """A fresh `EngineStats` of `core` (call on the engine's thread, between steps).
+
+    Args:
+        previous: the last snapshot; its `tenants` and `waiting` maps are kept unless
+            `refresh_load` (that scan is O(requests)).
+        borrowing_tiers, experts: copied into the snapshot as they are.
+        now_s: time.monotonic() of the snapshot.
+    """
+    sched = core.scheduler
+    tenants, waiting = previous.tenants, previous.waiting
+    if refresh_load:
+        tenants = core.tenant_stats()
+        waiting = core.waiting_load()
+    arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
+    prefix_cache = sched.prefix_cache_stats
+    return EngineStats(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_cache_usage=sched.kv_usage,
+        num_free_blocks=sched.num_free_blocks,
+        num_total_blocks=sched.num_total_blocks,
+        num_preemptions=sched.num_preemptions,
+        num_steps=core.num_steps,
+        tenants=tenants,
+        waiting=waiting,
+        oldest_waiting_arrival_s=min(arrivals, default=None),
+        num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
+        num_prefill_tokens=core.num_prefill_tokens,
+        prefill_busy_s=core.prefill_busy_s,
+        borrowing_tiers=borrowing_tiers,
+        num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
+        num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
+        swap=dataclasses.replace(sched.swap_stats),
+        num_host_blocks_used=sched.host.num_used_blocks,
+        num_host_blocks_total=sched.config.num_host_blocks,
+        experts=experts,
+        busy_s=core.busy_s,
+        tenant_busy_s=dict(core.tenant_busy_s),
+        time_s=now_s,
+    )

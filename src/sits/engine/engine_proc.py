@@ -1,0 +1,316 @@
+"""The engine process of `AsyncMPLLM`: builds the `EngineCore` and runs its step loop.
+
+`run_engine_proc` is the target of a "spawn" child process (so CUDA initialises in the child).
+It talks to the parent over two one-way `multiprocessing` pipes, with pickled tuples whose
+first item is the kind:
+
+parent -> child: ("add", request_id, children), ("finish", child_ids, FinishReason,
+stop_reason), ("borrowing", frozenset[TenantTier]), ("timeline", enabled),
+("call", call_id, name, args) with name one of `CALL_NAMES`, ("stop",).
+
+child -> parent: first ("ready", ModelInfo, EngineStats) or ("startup_error", PackedError);
+then ("step", outputs, EngineStats | None) after a step that produced outputs or a due
+snapshot, ("stats", EngineStats) after a batch of commands and before each call's result,
+("add_failed", request_id, PackedError), ("result", call_id, ok, value | PackedError),
+("beat",) every `_IDLE_WAIT_S` while idle (the parent's health heartbeat) and ("died",
+PackedError) when the loop fails.
+
+The loop keeps `AsyncLLM._engine_loop`'s rules: block on the inbox while idle or stalled,
+read the MoE expert counters every `_EXPERT_STATS_PERIOD_STEPS` steps and when idle, and
+snapshot the stats after each batch of commands, when idle, when a step changed the number
+of running or waiting requests, and else every `_STATS_PERIOD_S` while stepping. The child
+ignores SIGINT (the parent owns shutdown) and exits when the parent's end of the command pipe
+closes. Timestamps (`time.monotonic()`) are comparable between the two processes: one
+system-wide clock on Linux.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError, SitsError
+from sits.engine.async_llm import (
+    _ALL_TIERS,
+    _EXPERT_STATS_PERIOD_STEPS,
+    _IDLE_WAIT_S,
+    _LOAD_STATS_PERIOD_S,
+    EngineStats,
+    snapshot_stats,
+)
+from sits.engine.front_end import tier_values
+from sits.layers.moe_stats import ExpertMonitor, ExpertStats
+from sits.sched.config import TenantPolicy
+
+logger = logging.getLogger(__name__)
+
+_STATS_PERIOD_S = 0.02
+CALL_NAMES = (
+    "expert_stats",
+    "freeze_expert",
+    "unfreeze_expert",
+    "restore_expert",
+    "prefill_chunks",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedError:
+    """An exception in a form that survives pickling (its class may not: e.g.
+    `InvalidParameterError(param, message)` pickles its args as (message,) only).
+
+    Attributes:
+        module, qualname: where its class lives.
+        args: the exception's `args`.
+        attrs: its instance `__dict__` (e.g. `param`).
+        text: `repr()` of the exception, for the fallback.
+    """
+
+    module: str
+    qualname: str
+    args: tuple
+    attrs: dict[str, Any]
+    text: str
+
+
+def pack_error(exc: BaseException) -> PackedError:
+    """`exc` as a `PackedError` (attributes that do not pickle are left out)."""
+    import pickle
+
+    attrs = {}
+    for key, value in getattr(exc, "__dict__", {}).items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - drop what cannot travel
+            continue
+        attrs[key] = value
+    try:
+        args = tuple(exc.args)
+        pickle.dumps(args)
+    except Exception:  # noqa: BLE001
+        args = (str(exc),)
+    cls = type(exc)
+    return PackedError(cls.__module__, cls.__qualname__, args, attrs, repr(exc))
+
+
+def unpack_error(packed: PackedError) -> BaseException:
+    """The exception of `packed`: same class, args and attributes; a RuntimeError naming it
+    when the class cannot be rebuilt."""
+    try:
+        cls: Any = importlib.import_module(packed.module)
+        for part in packed.qualname.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            raise TypeError(packed.qualname)
+        exc = cls.__new__(cls, *packed.args)
+        exc.args = packed.args
+        for key, value in packed.attrs.items():
+            setattr(exc, key, value)
+        return exc
+    except Exception:  # noqa: BLE001 - any rebuild failure falls back to the text
+        return RuntimeError(f"engine process error: {packed.text}")
+
+
+def run_engine_proc(
+    cmd_conn: Connection,
+    out_conn: Connection,
+    config: EngineConfig,
+    tenant_policies: tuple[TenantPolicy, ...],
+    expert_freeze_after: int,
+    restore_frozen_experts: bool,
+    log_level: int,
+) -> None:
+    """Child process entry: build the engine, report ("ready" or "startup_error"), then run
+    the step loop until ("stop",) or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    logging.getLogger("sits").setLevel(log_level)
+    try:
+        proc = _EngineProc(
+            cmd_conn, out_conn, config, tenant_policies, expert_freeze_after, restore_frozen_experts
+        )
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent's constructor
+        logger.exception("engine startup failed")
+        _send_quietly(out_conn, ("startup_error", pack_error(exc)))
+        return
+    out_conn.send(("ready", proc.info, proc.stats))
+    proc.run()
+
+
+def _send_quietly(conn: Connection, message: tuple) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the parent is gone
+        conn.send(message)
+
+
+class _EngineProc:
+    """The child's engine and its step loop (one thread)."""
+
+    def __init__(
+        self,
+        cmd_conn: Connection,
+        out_conn: Connection,
+        config: EngineConfig,
+        tenant_policies: tuple[TenantPolicy, ...],
+        expert_freeze_after: int,
+        restore_frozen_experts: bool,
+    ) -> None:
+        import dataclasses
+
+        from sits.engine.builder import build_engine
+
+        # The parent keeps the tokenizer; the child never detokenizes.
+        parts = build_engine(dataclasses.replace(config, skip_tokenizer_init=True), tenant_policies)
+        self.core = parts.core
+        self.info = parts.info
+        self.cmd_conn = cmd_conn
+        self.out_conn = out_conn
+        self.stopping = False
+        self.borrowing_tiers = _ALL_TIERS
+        monitor = ExpertMonitor.of_model(
+            parts.core.runner.model,
+            expert_freeze_after,
+            model_dir=parts.info.model_dir,
+            auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
+        )
+        self.experts = monitor if monitor.blocks else None
+        self.expert_stats: ExpertStats | None = None
+        self.expert_read_step = -1
+        self.stats = EngineStats()
+        self.stats_time_s = -1.0
+        self.load_time_s = -1.0
+        self.read_experts()
+        self.snapshot(force=True)
+
+    def run(self) -> None:
+        """The step loop (see the module docstring); sends ("died", ...) when it fails."""
+        core = self.core
+        sched = core.scheduler
+        stalled = False
+        try:
+            while not self.stopping:
+                self.drain(block=stalled or not core.has_unfinished_requests())
+                if self.stopping or not core.has_unfinished_requests():
+                    continue
+                num_preemptions = sched.num_preemptions
+                outputs = core.step()
+                # As in AsyncLLM: nothing runs, started or was preempted -> wait for a command.
+                stalled = (
+                    not outputs
+                    and sched.num_running == 0
+                    and sched.num_preemptions == num_preemptions
+                )
+                idle = stalled or not core.has_unfinished_requests()
+                if idle or core.num_steps - self.expert_read_step >= _EXPERT_STATS_PERIOD_STEPS:
+                    self.read_experts()
+                due = (
+                    idle
+                    or time.monotonic() - self.stats_time_s >= _STATS_PERIOD_S
+                    or (sched.num_running, sched.num_waiting)
+                    != (self.stats.num_running, self.stats.num_waiting)
+                )
+                stats = self.snapshot(force=idle) if due else None
+                if outputs or stats is not None:
+                    self.out_conn.send(("step", outputs, stats))
+        except (EOFError, BrokenPipeError):
+            logger.info("engine process: the server process is gone; exiting")
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+            logger.exception("engine loop died")
+            _send_quietly(self.out_conn, ("died", pack_error(exc)))
+            raise SystemExit(1) from None
+
+    def drain(self, block: bool) -> None:
+        """Handle every queued command (waiting up to `_IDLE_WAIT_S` for one when `block`),
+        then send a fresh snapshot; a ("beat",) when the wait found none."""
+        conn = self.cmd_conn
+        if not conn.poll(_IDLE_WAIT_S if block else 0):
+            if block:
+                self.out_conn.send(("beat",))
+            return
+        while True:
+            self.handle(conn.recv())
+            if self.stopping or not conn.poll(0):
+                break
+        self.out_conn.send(("stats", self.snapshot(force=True)))
+
+    def handle(self, command: tuple) -> None:
+        kind = command[0]
+        core = self.core
+        if kind == "add":
+            _, request_id, children = command
+            try:
+                for child in children:
+                    core.add_request(child)
+            except SitsError as exc:  # a request that can never be served; not a loop failure
+                core.finish_requests([c.request_id for c in children])
+                self.out_conn.send(("add_failed", request_id, pack_error(exc)))
+        elif kind == "finish":
+            _, ids, reason, stop_reason = command
+            core.finish_requests(ids, reason, stop_reason)
+        elif kind == "borrowing":
+            core.scheduler.set_borrowing_tiers(command[1])
+            self.borrowing_tiers = tier_values(command[1])
+        elif kind == "timeline":
+            core.record_request_chunks = bool(command[1])
+        elif kind == "call":
+            _, call_id, name, args = command
+            try:
+                message = ("result", call_id, True, self.call(name, args))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                message = ("result", call_id, False, pack_error(exc))
+            # Stats first: once the caller has its result, stats() shows the call's effect.
+            self.out_conn.send(("stats", self.snapshot(force=False)))
+            self.out_conn.send(message)
+        elif kind == "stop":
+            self.stopping = True
+
+    def call(self, name: str, args: tuple) -> Any:
+        """The named call of `AsyncMPLLM` (expert surface, prefill chunks)."""
+        if name == "prefill_chunks":
+            return list(self.core.prefill_chunks)
+        if name != "expert_stats":
+            if self.experts is None:
+                raise InvalidParameterError("layer", "the model has no MoE layers")
+            layer_id, expert_id = args
+            if name == "freeze_expert":
+                self.experts.freeze(layer_id, expert_id)
+            elif name == "unfreeze_expert":
+                self.experts.unfreeze(layer_id, expert_id)
+            elif name == "restore_expert":
+                self.experts.restore(layer_id, expert_id, self.info.model_dir)
+            else:
+                raise ValueError(f"unknown engine call {name!r}")
+        return self.read_experts()
+
+    def read_experts(self) -> ExpertStats | None:
+        """Copy the expert counters to the host (one device sync; as `AsyncLLM`)."""
+        if self.experts is None:
+            return None
+        num_steps = self.core.num_steps
+        self.expert_read_step = num_steps
+        self.expert_stats = self.experts.read(num_steps)
+        return self.expert_stats
+
+    def snapshot(self, force: bool) -> EngineStats:
+        """A fresh stats snapshot, kept in `stats`; its per-tenant scan is redone when `force`
+        or at most every `_LOAD_STATS_PERIOD_S` (as `AsyncLLM._update_stats`)."""
+        now_s = time.monotonic()
+        self.stats_time_s = now_s
+        refresh_load = force or now_s - self.load_time_s >= _LOAD_STATS_PERIOD_S
+        if refresh_load:
+            self.load_time_s = now_s
+        self.stats = snapshot_stats(
+            self.core,
+            self.stats,
+            refresh_load=refresh_load,
+            borrowing_tiers=self.borrowing_tiers,
+            experts=self.expert_stats,
+            now_s=now_s,
+        )
+        return self.stats

@@ -1,0 +1,161 @@
+"""`RequestFrontEnd`: the request side every asyncio engine front end shares.
+
+`AsyncLLM` (engine loop in a thread) and `AsyncMPLLM` (engine loop in a child process) differ
+only in how a command reaches the engine (`_send`) and how outputs come back; both keep the
+tokenizer and the `OutputProcessor` (detokenization) on the asyncio side. This base holds
+what is the same: `generate` (one asyncio queue per request), `abort`, delivering a step's
+outputs and failing requests. Invariants: every request that leaves `generate` unfinished
+(client gone, task cancelled) is aborted through `_send(("finish", ...))`; `_deliver`,
+`_fail_request` and `_fail_all` run on the asyncio loop only.
+
+Commands a subclass's engine side must accept (tuples, first item the kind):
+("add", request_id, children), ("finish", child_ids, FinishReason, stop_reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from enum import Enum
+
+from sits.config import EngineConfig
+from sits.core.errors import EngineDeadError, InvalidParameterError
+from sits.core.outputs import EngineCoreOutput, RequestOutput
+from sits.core.request import FinishReason, Request
+from sits.core.sampling_params import SamplingParams
+from sits.engine.output_processor import OutputProcessor
+from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.runner.model_info import ModelInfo
+from sits.sched.config import TenantTier
+
+
+def parse_tiers(tiers: Iterable[str | Enum]) -> frozenset[TenantTier]:
+    """The tiers of `set_borrowing_tiers`: tier values or tier enums.
+
+    Raises:
+        ValueError: an unknown tier.
+    """
+    values = {tier.value if isinstance(tier, Enum) else str(tier) for tier in tiers}
+    return frozenset(TenantTier(value) for value in values)
+
+
+def tier_values(tiers: frozenset[TenantTier]) -> tuple[str, ...]:
+    """`tiers` as values in the enum's order (`EngineStats.borrowing_tiers`)."""
+    return tuple(t.value for t in TenantTier if t in tiers)
+
+
+class RequestFrontEnd:
+    """Base of the asyncio front ends (see the module docstring).
+
+    Subclasses set `config`, `info`, `max_model_len`, `dead_error`, `_processor` and `_loop`,
+    and define `is_healthy()` and `_send(command)`; they may override `_check_requests`.
+    """
+
+    config: EngineConfig
+    info: ModelInfo
+    max_model_len: int
+    dead_error: BaseException | None
+    _processor: OutputProcessor
+    _loop: asyncio.AbstractEventLoop | None
+
+    def is_healthy(self) -> bool:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def _send(self, command: tuple) -> None:  # pragma: no cover - defined by subclasses
+        """Hand `command` to the engine side (never blocks for long)."""
+        raise NotImplementedError
+
+    def _check_requests(self, children: list[Request]) -> None:
+        """Raise at once for a request that can never be served (default: the engine side
+        checks it and fails the request through `_fail_request`)."""
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        tenant_id: str = "default",
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields RequestOutputs as `params.output_kind` says.
+
+        Raises:
+            InvalidParameterError, PromptTooLongError: before anything is yielded.
+            EngineDeadError: the engine loop is dead or hung (at once), or died meanwhile.
+        """
+        self._check_alive()
+        if self._processor.has_request(request_id):
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is in use")
+        children = make_engine_requests(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.info.eos_token_ids,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            tenant_id=tenant_id,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self._check_requests(children)
+        self._loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._processor.add_request(
+            request_id,
+            child_request_ids(request_id, params.n),
+            prompt,
+            list(prompt_token_ids),
+            params,
+            children[0].arrival_time,
+            sink,
+        )
+        self._send(("add", request_id, children))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are freed at the engine's next loop iteration."""
+        self._abort_now(request_id)
+
+    def _check_alive(self) -> None:
+        if not self.is_healthy():
+            reason = self.dead_error or "the engine loop is not responding"
+            raise EngineDeadError(f"engine is not available: {reason}")
+
+    def _abort_now(self, request_id: str) -> None:
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._send(("finish", open_ids, FinishReason.ABORT, None))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        processed = self._processor.process(outputs)
+        for child_id, stop_str in processed.stop_requests:
+            self._send(("finish", [child_id], FinishReason.STOP, stop_str))
+        for sink, out in processed.request_outputs:
+            sink.put_nowait(out)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        sink = self._processor.sink_of(request_id)
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._send(("finish", open_ids, FinishReason.ABORT, None))
+        if sink is not None:
+            sink.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in self._processor.request_ids():
+            self._fail_request(request_id, error)
