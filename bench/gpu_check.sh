@@ -16,7 +16,10 @@
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
 #   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
-#            skips the capacity run and calibrates the rates from C
+#            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
+#            with --engine-process
+#   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
+#            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -95,7 +98,7 @@ if has kv_host; then
     --dtype bfloat16 --kv-cache-memory-bytes 5153960755 --input-len 768 --output-len 256 \
     --result-json "$OUT_DIR/kv_tiers.json"
 fi
-if has qos; then
+if has qos || has loop; then
   if ! python3 -c "import fastapi, uvicorn, pydantic, opentelemetry.sdk" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -111,6 +114,14 @@ json.dump(cfg, open(os.path.join(dst, "config.json"), "w")); print(dst)
 PY
 )
   serve_args="--load-format dummy --tokenizer src/sits/demo_model --dtype bfloat16"
+fi
+if has loop; then
+  run loop_lag python3 bench/loop_lag.py --model "$qos_dir" --serve-args "$serve_args" \
+    --num-prompts 1500 --input-len 512 --output-len 128 --request-rate 25 \
+    --result-json "$OUT_DIR/loop_lag.json"
+fi
+if has qos; then
+  [[ -n "${ENGINE_PROCESS:-}" ]] && serve_args="$serve_args --engine-process"
   if [[ -n "${QOS_CAPACITY:-}" ]]; then  # a capacity (req/s) measured before: no capacity run
     echo "{\"runs\": {\"fcfs\": {\"totals\": {\"request_throughput\": $QOS_CAPACITY}}}}" \
       >"$OUT_DIR/qos_capacity.json"
