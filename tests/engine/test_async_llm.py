@@ -69,6 +69,25 @@ def test_too_long_raises_before_output(engine: AsyncLLM) -> None:
     assert engine.is_healthy()
 
 
+def test_outputs_for_a_closed_loop_never_kill_the_engine(engine: AsyncLLM) -> None:
+    closed = asyncio.new_event_loop()
+    closed.close()
+    engine._loop = closed  # what a finished asyncio.run leaves behind
+    engine._post(engine._deliver, [])  # dropped, no RuntimeError on the engine thread
+
+    async def abandon() -> None:  # leaves its stream unfinished when the loop ends
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = engine.generate("abandoned", list(range(3, 20)), params)
+        asyncio.get_running_loop().create_task(stream.__anext__())
+        await asyncio.sleep(0.05)
+
+    asyncio.run(abandon())
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs = asyncio.run(_collect(engine, "after-closed-loop", list(range(3, 12)), params))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert engine.is_healthy()
+
+
 def test_dead_loop_fails_requests_and_health(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("qwen3_moe")
     eng = AsyncLLM(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256))

@@ -27,6 +27,7 @@ is one) and unfreezes it (`ExpertMonitor.read` with `auto_restore`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -326,15 +327,23 @@ class AsyncLLM(RequestFrontEnd):
                 if idle or core.num_steps - self._expert_read_step >= _EXPERT_STATS_PERIOD_STEPS:
                     self._read_experts()
                 self._update_stats(force=idle)
-                if outputs and self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if outputs:
+                    self._post(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop died")
             self.dead_error = exc
             self.errored = True
-            if self._loop is not None and not self._loop.is_closed():
-                dead = EngineDeadError(f"the engine loop died: {exc!r}")
-                self._loop.call_soon_threadsafe(self._fail_all, dead)
+            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)` on the asyncio loop of the latest `generate`; dropped when there is
+        none or it has closed (e.g. after `asyncio.run` returned: nobody awaits its outputs),
+        so a closed loop never kills the engine thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            loop.call_soon_threadsafe(fn, *args)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -358,8 +367,7 @@ class AsyncLLM(RequestFrontEnd):
                     self.engine_core.add_request(child)
             except SitsError as exc:  # checked on the front end already; never kill the loop
                 self.engine_core.finish_requests([c.request_id for c in children])
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._fail_request, request_id, exc)
+                self._post(self._fail_request, request_id, exc)
         elif kind == "finish":
             _, ids, reason, stop_reason = command
             self.engine_core.finish_requests(ids, reason, stop_reason)
