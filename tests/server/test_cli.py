@@ -48,6 +48,18 @@ def test_serve_flags_map_to_the_engine_config() -> None:
     assert _parse(["/some/ckpt"]).model_tag == "/some/ckpt"
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--port", "99999"], ["--port", "-1"], ["--port", "x"], ["--shutdown-timeout", "-1"],
+     ["--shutdown-timeout", "nan"]],
+)  # fmt: skip
+def test_bad_port_or_timeout_is_refused_before_any_model_work(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}" in capsys.readouterr().err
+
+
 def test_api_key_from_flag_or_environment() -> None:
     assert resolve_api_key(_parse([]), {}) is None
     assert resolve_api_key(_parse([]), {"SITS_API_KEY": "env-key"}) == "env-key"

@@ -50,7 +50,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model")
     add_engine_args(p, model_required=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 0-65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, help="name clients use as `model`")
     p.add_argument("--api-key", default=None, help=f"require this bearer key (also ${API_KEY_ENV})")
     p.add_argument(
@@ -158,7 +158,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_gpu_price,
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests before cutting them (default 30)",
     )
@@ -171,8 +171,19 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _port(value: str) -> int:
+    """argparse type of --port: an integer in [0, 65535] (checked before the model loads)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
+    return port
+
+
 def _gpu_price(value: str) -> float:
-    """argparse type of --gpu-price-per-hour: a finite number >= 0."""
+    """argparse type of --gpu-price-per-hour and --shutdown-timeout: a finite number >= 0."""
     try:
         price = float(value)
     except ValueError:
