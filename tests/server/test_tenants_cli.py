@@ -64,6 +64,20 @@ def test_malformed_tenants_file_exits_2_naming_line_and_field(tmp_path: Path) ->
     assert "did you mean 'requests_per_minute'" in str(err.value)
 
 
+def test_serve_lists_every_error_of_a_bad_tenants_file(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "two.toml"
+    bad.write_text(
+        BAD_TIER.format("a" * 64)
+        + '\n[[tenants]]\nid = "b"\napi_key_sha256 = ["'
+        + "b" * 64
+        + '"]\nttft_ms = -5\n'
+    )
+    assert run_serve(_parse(["--tenants", str(bad)])) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert f"{bad}:4: tenants[0] field 'tier'" in err
+    assert "tenants[1] field 'ttft_ms'" in err and "finite number > 0, got -5" in err
+
+
 def test_tenants_flags_and_their_conflict_with_an_api_key(tmp_path: Path, capsys) -> None:
     good = tmp_path / "tenants.toml"
     good.write_text(GOOD)

@@ -292,7 +292,11 @@ def run_serve(args: argparse.Namespace) -> int:
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
     except SitsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from sits.tenancy.loader import TenantConfigError, check_tenants
+
+        errors = check_tenants(args.tenants) if isinstance(exc, TenantConfigError) else []
+        for error in errors or [exc]:  # every error of a bad tenants file, as `tenants check`
+            print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if tenants is not None:
         log.info("tenants from %s: %s", args.tenants, ", ".join(tenants.ids))
