@@ -268,15 +268,28 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
         assert f"has waited {waited} s, over its {limit} s TTFT" in err.value.message
         assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
     assert qos.overload_state is OverloadState.GREEN
-    qos.admit(gold, 1, 1).finish(Outcome.OK, 2)
+    ticket = qos.admit(gold, 1, 1)
+    assert ticket.queue_timeout_s is None  # guaranteed: never shed while queued
+    ticket.finish(Outcome.OK, 2)
     engine.snapshot.tenants["bulk"] = _sched(5, 20, running=1)  # within its reservation
-    qos.admit(bulk, 1, 1).finish(Outcome.OK, 2)
+    ticket = qos.admit(bulk, 1, 1)
+    assert ticket.queue_timeout_s is None
+    ticket.finish(Outcome.OK, 2)
+    engine.snapshot.waiting = {}
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # over quota: shed if queued past 3 s
+    for t, limit_s in ((bulk, 3.0), (free, 5.0)):
+        ticket = qos.admit(t, 1, 1)
+        assert ticket.queue_timeout_s == limit_s and ticket.retry_after_s == 5
+        ticket.finish(Outcome.OK, 2)
     # backlog_shed_factor 2: bulk may wait 6 s, free 10 s before their new work is shed.
     engine.snapshot.tenants["bulk"] = _sched(20, 20)
+    engine.snapshot.waiting = {"bulk": WaitingLoad(97.5, 100), "free": WaitingLoad(95.5, 100)}
     lenient = QosSettings(clock=clock, overload=OverloadThresholds(backlog_shed_factor=2.0))
     qos = ServerQos(engine, tenants, lenient, metrics, isolate_prefix_cache=True)
-    for t in (bulk, free):
-        qos.admit(t, 1, 1).finish(Outcome.OK, 2)
+    for t, limit_s in ((bulk, 6.0), (free, 10.0)):
+        ticket = qos.admit(t, 1, 1)
+        assert ticket.queue_timeout_s == limit_s
+        ticket.finish(Outcome.OK, 2)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(InvalidParameterError) as err:
             OverloadThresholds(backlog_shed_factor=bad)

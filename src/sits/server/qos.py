@@ -21,6 +21,7 @@ engine's per-tenant stats); without configured tenants in the engine nobody borr
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -122,16 +123,31 @@ class QosTicket:
         tenant: the request's tenant.
         admission: the admission ticket (returned by `finish`).
         is_probe: the request is the breaker's half-open probe.
+        queue_timeout_s: for over-quota work of a burstable or best-effort tenant, seconds
+            after which a request still without its first token is shed (503): it has missed
+            its TTFT SLO x `backlog_shed_factor` and only holds up the tenant's queue; None
+            for everything else (guaranteed tenants, work within a reservation).
     """
 
     def __init__(
-        self, qos: ServerQos, tenant: TenantConfig, admission: AdmissionTicket, is_probe: bool
+        self,
+        qos: ServerQos,
+        tenant: TenantConfig,
+        admission: AdmissionTicket,
+        is_probe: bool,
+        queue_timeout_s: float | None = None,
     ) -> None:
         self._qos = qos
         self.tenant = tenant
         self.admission = admission
         self.is_probe = is_probe
+        self.queue_timeout_s = queue_timeout_s
         self.finished = False
+
+    @property
+    def retry_after_s(self) -> int:
+        """Retry-After (seconds) of a request shed after admission."""
+        return self._qos.settings.shed_retry_after_s
 
     def finish(self, outcome: Outcome, used_tokens: int) -> None:
         """End the request: reconcile tokens, report to the breaker, count the outcome.
@@ -275,7 +291,8 @@ class ServerQos:
         new request would wait at least as long (its queue is served oldest deadline first),
         so it could only miss.
         """
-        if tenant.tier is Tier.GUARANTEED:
+        limit_s = self.backlog_limit_s(tenant)
+        if limit_s is None:
             return None
         try:
             waiting = getattr(self.engine.stats(), "waiting", None) or {}
@@ -284,13 +301,10 @@ class ServerQos:
         own = waiting.get(tenant.id)
         if own is None or own.oldest_arrival_s is None:
             return None
-        thresholds = self.settings.overload
-        slo_s = thresholds.red_queue_delay_s if tenant.ttft_ms is None else tenant.ttft_ms / 1000
-        limit_s = thresholds.backlog_shed_factor * slo_s
         waited_s = self.clock.monotonic() - own.oldest_arrival_s
         if waited_s <= limit_s:
             return None
-        return f"its queued work has waited {waited_s:.1f} s, over its {limit_s:g} s TTFT"
+        return f"its queued work has waited {waited_s:.1f} s, over its {limit_s:g} s TTFT limit"
 
     def would_borrow(self, tenant: TenantConfig) -> bool:
         """True when new work of the tenant would go beyond its reservation (see module)."""
@@ -328,7 +342,7 @@ class ServerQos:
                 headers=retry_after_headers(retry_s),
             )
         try:
-            self._check_overload(tenant)
+            over_quota = self._check_overload(tenant)
             decision = self.admission.try_admit(tenant, prompt_tokens, max_tokens)
         except BaseException:
             if breaker.is_probe:
@@ -338,21 +352,33 @@ class ServerQos:
             if breaker.is_probe:
                 self.breaker.release_probe()
             raise _rejection(decision)
-        return QosTicket(self, tenant, decision.ticket, breaker.is_probe)
+        timeout_s = self.backlog_limit_s(tenant) if over_quota else None
+        return QosTicket(self, tenant, decision.ticket, breaker.is_probe, timeout_s)
 
-    def _check_overload(self, tenant: TenantConfig) -> None:
+    def backlog_limit_s(self, tenant: TenantConfig) -> float | None:
+        """How long a burstable or best-effort tenant's over-quota work may wait for its
+        first token: `backlog_shed_factor` x its TTFT SLO (without one: the red queue-delay
+        threshold); None for a guaranteed tenant or an infinite factor."""
+        thresholds = self.settings.overload
+        if tenant.tier is Tier.GUARANTEED or math.isinf(thresholds.backlog_shed_factor):
+            return None
+        slo_s = thresholds.red_queue_delay_s if tenant.ttft_ms is None else tenant.ttft_ms / 1000
+        return thresholds.backlog_shed_factor * slo_s
+
+    def _check_overload(self, tenant: TenantConfig) -> bool:
+        """Shed (raise 503) or admit; returns whether the work is over quota."""
         state = self.overload_state
         if tenant.tier is Tier.GUARANTEED and state is OverloadState.GREEN:
-            return
+            return False
         over_quota = tenant.tier is Tier.BEST_EFFORT or self.would_borrow(tenant)
         if not over_quota:
-            return
+            return False
         decision = self.policy.admit(state, tenant.tier, over_quota)
         why = f"the server is overloaded ({state.value})"
         if decision.admitted:
             backlog = self.backlog_shed_reason(tenant)
             if backlog is None:
-                return
+                return True
             why = backlog
         retry_s = decision.retry_after_s or self.settings.shed_retry_after_s
         raise ServerError(

@@ -25,14 +25,17 @@ QoS header middleware.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from sits.admission import retry_after_headers
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import CompletionOutput, Logprob, RequestOutput
 from sits.server.auth import request_tenant, require_tenant
@@ -312,7 +315,7 @@ async def serve_job(
     try:
         ctx.lifecycle.add_job(job)
         job.start()
-        first = await run_until_disconnect(raw.receive, job.next())
+        first = await run_until_disconnect(raw.receive, _first_output(job, qos))
         if stream:
             failures: list[BaseException] = []
             response = SSEResponse(
@@ -337,6 +340,26 @@ async def serve_job(
     finally:
         if not handed_off:
             await cleanup(outcome)
+
+
+async def _first_output(job: GenerationJob, qos: QosTicket) -> Any:
+    """The job's first output; with a queue timeout (`QosTicket.queue_timeout_s`), a 503
+    `overloaded` once it passes without one (the job is then closed by `serve_job`)."""
+    if qos.queue_timeout_s is None:
+        return await job.next()
+    try:
+        return await asyncio.wait_for(job.next(), qos.queue_timeout_s)
+    except TimeoutError:
+        retry_s = qos.retry_after_s
+        raise ServerError(
+            503,
+            f"Shed: tenant '{qos.tenant.id}' ({qos.tenant.tier.value}, beyond its reservation) "
+            f"got no first token within its {qos.queue_timeout_s:g} s TTFT limit while "
+            f"queued. Retry after {retry_s} s.",
+            type="service_unavailable_error",
+            code="overloaded",
+            headers=retry_after_headers(retry_s),
+        ) from None
 
 
 def _stream_outcome(failures: list[BaseException], job: GenerationJob) -> Outcome:
