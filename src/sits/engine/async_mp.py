@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _STARTUP_POLL_S = 0.1
 _STOP_TIMEOUT_S = 5.0
+_STARTUP_EXIT_S = 2.0  # a child that reported a startup error exits by itself in this time
 
 
 class AsyncMPLLM(RequestFrontEnd):
@@ -107,7 +108,7 @@ class AsyncMPLLM(RequestFrontEnd):
             self.info, self._stats = self._wait_ready()
             self.tokenizer = _load_tokenizer(config)
         except BaseException:
-            self._stop_process(0.0)
+            self._stop_process(_STARTUP_EXIT_S)  # after a startup error the child exits itself
             raise
         self.max_model_len = self.info.max_model_len
         self._processor = OutputProcessor(self.tokenizer)

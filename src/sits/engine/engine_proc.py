@@ -137,7 +137,8 @@ def run_engine_proc(
             cmd_conn, out_conn, config, tenant_policies, expert_freeze_after, restore_frozen_experts
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent's constructor
-        logger.exception("engine startup failed")
+        if not isinstance(exc, SitsError):  # a user error is reported by the parent alone
+            logger.exception("engine startup failed")
         _send_quietly(out_conn, ("startup_error", pack_error(exc)))
         return
     out_conn.send(("ready", proc.info, proc.stats))
