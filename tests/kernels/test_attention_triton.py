@@ -7,6 +7,8 @@ Small launch blocks (16-32) make every path take several tiles and both key loop
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,6 +119,38 @@ def test_mixed_batch_with_empty_sequence_and_padding(paged_batch) -> None:
     config = TritonAttentionConfig(**SMALL, decode_num_splits=2)
     actual = check_against_reference(batch, config)
     assert torch.count_nonzero(actual[-3:]) == 0
+
+
+@pytest.mark.parametrize("fixed_max_query_len", [23, 64])
+def test_fixed_launches_for_graphs_ignore_the_cpu_fields(paged_batch, fixed_max_query_len) -> None:
+    # Graph mode: both kernels over every sequence with a grid for `fixed_max_query_len` new
+    # tokens; an empty sequence, decodes, chunks and 3 padding tokens (left zero).
+    chunks = [(9, 0), (30, 1), (0, 23), (17, 6), (200, 1)]
+    batch = paged_batch(chunks, 4, 2, 16, 8, torch.float32, DEVICE, seed=5, num_padding_tokens=3)
+    config = TritonAttentionConfig(
+        **SMALL, decode_num_splits=2, fixed_max_query_len=fixed_max_query_len
+    )
+    real = batch.metadata
+    # CPU fields of a different step: a graph replays whatever the device tensors hold.
+    batch.metadata = dataclasses.replace(
+        real, query_start_loc_cpu=[0, 1], seq_lens_cpu=[1], max_query_len=1, max_seq_len=1
+    )
+    expected = TorchPagedAttention().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache.clone(), real, 16**-0.5
+    )
+    actual = TritonPagedAttention(config).forward(
+        batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata, 16**-0.5
+    )
+    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=2e-5)
+    assert torch.count_nonzero(actual[-3:]) == 0
+
+
+def test_fixed_launches_need_a_split_count() -> None:
+    with pytest.raises(InvalidParameterError) as err:
+        TritonAttentionConfig(fixed_max_query_len=64)
+    assert err.value.param == "fixed_max_query_len"
+    with pytest.raises(InvalidParameterError):
+        TritonAttentionConfig(fixed_max_query_len=0, decode_num_splits=1)
 
 
 def test_default_launch_config_matches_reference(paged_batch) -> None:

@@ -84,6 +84,34 @@ def test_decode_padding_and_stale_entries() -> None:
     assert inputs.last_token_indices == [0, 1]
 
 
+def test_token_padding_for_a_mixed_step_graph() -> None:
+    plan = StepPlan(
+        [
+            _sr("a", [5, 6, 7, 8, 9], 3, [7, 2, 9]),
+            _sr("b", [11], 9, [4, 1, 3]),
+            _sr("c", [21, 22], 0, [8]),
+        ]
+    )
+    buffers = _buffers()
+    buffers.prepare(StepPlan([_sr("x", [1] * 20, 0, [1, 2, 3, 4, 5])]))  # stale rows first
+    inputs = buffers.prepare(plan, pad_to_seqs=6, pad_to_tokens=12)
+    want = _expected(plan)
+    md = inputs.metadata
+    assert inputs.input_ids.tolist() == want["ids"] + [0, 0, 0, 0]
+    assert inputs.positions.tolist() == want["pos"] + [0, 0, 0, 0]
+    assert md.slot_mapping.tolist() == want["slots"] + [-1, -1, -1, -1]
+    assert inputs.token_mask is not None
+    assert inputs.token_mask.tolist() == [True] * 8 + [False] * 4
+    # Three empty sequences: q_len 0 (query_start_loc stays at 8), context length 0.
+    assert md.query_start_loc.tolist() == want["qsl"] + [8, 8, 8]
+    assert md.seq_lens.tolist() == want["lens"] + [0, 0, 0]
+    assert md.seq_lens.shape[0] == md.block_tables.shape[0] == 6 and md.num_seqs == 3
+    # CPU fields and last-token indices cover the real sequences only.
+    assert md.query_start_loc_cpu == want["qsl"] and md.seq_lens_cpu == want["lens"]
+    assert (md.max_query_len, md.max_seq_len) == (5, 10)
+    assert inputs.last_token_indices == [4, 5, 7]
+
+
 @pytest.mark.parametrize("num_seqs", [3, 12])  # block tables written row by row, scattered
 def test_decode_steps_match_the_definition(num_seqs: int) -> None:
     buffers = InputBuffers(

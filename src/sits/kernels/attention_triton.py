@@ -62,6 +62,13 @@ class TritonAttentionConfig:
         decode_min_split_tokens: the heuristic never makes a split shorter than this.
         decode_max_splits: the heuristic's ceiling.
         kv_write_num_warps: warps per token of the KV write kernel.
+        fixed_max_query_len: graph mode for mixed steps: when set, every call zero-fills the
+            output and launches the decode kernel (with `decode_num_splits`, which must be set)
+            and the prefill kernel (grid sized for this many new tokens per sequence) over all
+            the metadata's sequences, whatever its CPU fields say; sequences without new
+            tokens and rows outside every sequence (token padding) are left zero. The launches
+            then depend on tensor shapes only, so a CUDA graph can capture them. None: plan
+            each call from the CPU fields (eager).
 
     Raises:
         InvalidParameterError: a block size that is not a power of two >= 16, or a count < 1.
@@ -80,6 +87,7 @@ class TritonAttentionConfig:
     decode_min_split_tokens: int = 256
     decode_max_splits: int = 32
     kv_write_num_warps: int = 4
+    fixed_max_query_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -105,6 +113,13 @@ class TritonAttentionConfig:
                 raise InvalidParameterError(name, f"{name} must be >= 1")
         if self.decode_num_splits is not None and self.decode_num_splits < 1:
             raise InvalidParameterError("decode_num_splits", "decode_num_splits must be >= 1")
+        if self.fixed_max_query_len is not None and (
+            self.fixed_max_query_len < 1 or self.decode_num_splits is None
+        ):
+            raise InvalidParameterError(
+                "fixed_max_query_len",
+                "fixed_max_query_len must be >= 1 and needs decode_num_splits",
+            )
 
     @classmethod
     def for_head_dim(cls, head_dim: int, **overrides: object) -> TritonAttentionConfig:
@@ -207,15 +222,20 @@ class TritonPagedAttention:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
         assert quantized or query.dtype == data.dtype, "a plain cache must have the query dtype"
         assert metadata.block_size == data.shape[2], "metadata/cache block size mismatch"
-        # Every row belongs to a sequence whose kernel writes it: no zero fill (a memset per
-        # layer per step); rows outside every sequence (padding) must read zero.
-        covered = metadata.max_query_len > 0 and metadata.query_start_loc_cpu[-1] == len(query)
-        new_output = _uninitialized if covered else torch.zeros
-        output = new_output(query.shape, dtype=query.dtype, device=query.device)
-        if metadata.num_seqs == 0 or metadata.max_query_len == 0:
-            return output
         config = self.config
-        num_single = self._num_single(metadata)
+        fixed = config.fixed_max_query_len
+        if fixed is not None:  # graph mode: the same launches whatever the step holds
+            output = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+            num_single, max_query_len = 1, fixed
+        else:
+            # Every row belongs to a sequence whose kernel writes it: no zero fill (a memset
+            # per layer per step); rows outside every sequence (padding) must read zero.
+            covered = metadata.max_query_len > 0 and metadata.query_start_loc_cpu[-1] == len(query)
+            new_output = _uninitialized if covered else torch.zeros
+            output = new_output(query.shape, dtype=query.dtype, device=query.device)
+            if metadata.num_seqs == 0 or metadata.max_query_len == 0:
+                return output
+            num_single, max_query_len = self._num_single(metadata), metadata.max_query_len
         if num_single > 0:
             num_splits = choose_num_splits(
                 metadata.num_seqs, num_kv_heads, metadata.max_seq_len, config
@@ -227,10 +247,10 @@ class TritonPagedAttention:
                 num_warps=config.decode_num_warps,
                 num_stages=config.decode_num_stages,
             )  # fmt: skip
-        if metadata.max_query_len > 1:
+        if max_query_len > 1:
             triton_prefill_attention(
                 output, query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                metadata.query_start_loc, scale, metadata.max_query_len,
+                metadata.query_start_loc, scale, max_query_len,
                 skip_single=num_single > 0,
                 block_m=config.prefill_block_m,
                 block_n=config.prefill_block_n,

@@ -12,7 +12,10 @@ Invariants:
   seq_lens[i] = start_position + num_tokens of request i.
 - Padding (a decode batch padded up to a captured graph size) adds one-token sequences that
   read the null block 0 with context length 1, write nowhere (slot -1), and are masked out of
-  the MoE statistics by `token_mask`.
+  the MoE statistics by `token_mask`. Token padding (a mixed step padded to a token bucket,
+  `pad_to_tokens`) instead adds tokens that belong to no sequence (token 0, position 0, slot
+  -1, masked) and sequences without tokens (q_len 0, context length 0), which every attention
+  kernel skips.
 - Block-table entries past a sequence's last block are stale (left from earlier steps): every
   reader reads only the first ceil(seq_len / block_size) entries of a row.
 - Host staging arrays are pinned on CUDA and copied with non_blocking=True. A step that samples
@@ -155,14 +158,20 @@ class InputBuffers:
         self._views[(num_seqs, n)] = views
         return views
 
-    def prepare(self, plan: StepPlan, pad_to_seqs: int | None = None) -> StepInputs:
+    def prepare(
+        self, plan: StepPlan, pad_to_seqs: int | None = None, pad_to_tokens: int | None = None
+    ) -> StepInputs:
         """Fill the buffers from a plan and copy them to the device.
 
         Args:
             plan: the scheduled requests (non-empty).
             pad_to_seqs: for a pure decode step replayed by a graph of this batch size, pad
                 with one-token null sequences up to it (>= the plan's sequences); None = no
-                padding.
+                padding. With `pad_to_tokens`: the sequence count to pad to with empty
+                sequences instead.
+            pad_to_tokens: for a step replayed by a mixed-step graph of this many tokens, pad
+                with tokens outside every sequence up to it (>= the plan's tokens; needs
+                `pad_to_seqs`); None = no token padding.
 
         Returns:
             StepInputs whose tensors are views of the device buffers (valid until the next
@@ -181,7 +190,11 @@ class InputBuffers:
         assert num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs
         padded_seqs = num_seqs if pad_to_seqs is None else pad_to_seqs
         padded_tokens = num_tokens + (padded_seqs - num_seqs)
+        if pad_to_tokens is not None:
+            assert pad_to_seqs is not None and pad_to_tokens >= num_tokens
+            padded_tokens = pad_to_tokens
         assert padded_seqs >= num_seqs and padded_tokens <= self.max_num_tokens
+        assert padded_seqs <= self.max_num_seqs
 
         h = self._np
         tables = self._fill_block_tables(scheduled, padded_seqs)  # [padded_seqs, width]
@@ -208,7 +221,10 @@ class InputBuffers:
         )
         h["token_mask"][:num_tokens] = True
         h["seq_lens"][:num_seqs] = seq_lens
-        self._write_padding(num_seqs, padded_seqs, num_tokens)
+        if pad_to_tokens is None:
+            self._write_padding(num_seqs, padded_seqs, num_tokens)
+        else:
+            self._write_token_padding(num_seqs, padded_seqs, num_tokens, padded_tokens)
         self._copy(padded_tokens, padded_seqs, tables.shape[1])
         views = self.view(padded_seqs, padded_tokens)
         qsl_cpu = qsl[: num_seqs + 1].tolist()
@@ -285,6 +301,22 @@ class InputBuffers:
         h["query_start_loc"][num_seqs + 1 : padded_seqs + 1] = (
             num_tokens + self._arange[1 : padded_seqs - num_seqs + 1]
         )
+
+    def _write_token_padding(
+        self, num_seqs: int, padded_seqs: int, num_tokens: int, padded_tokens: int
+    ) -> None:
+        """Host rows of a mixed step's padding: tokens num_tokens..padded_tokens-1 outside every
+        sequence (token 0, position 0, no KV write, masked out) and sequences
+        num_seqs..padded_seqs-1 without tokens (query_start_loc stays at num_tokens, context
+        length 0)."""
+        h = self._np
+        pad = slice(num_tokens, padded_tokens)
+        h["input_ids"][pad] = 0
+        h["positions"][pad] = 0
+        h["slot_mapping"][pad] = -1
+        h["token_mask"][pad] = False
+        h["seq_lens"][num_seqs:padded_seqs] = 0
+        h["query_start_loc"][num_seqs + 1 : padded_seqs + 1] = num_tokens
 
     def _fill_block_tables(self, scheduled: list[ScheduledRequest], padded_seqs: int) -> np.ndarray:
         """Write the sequences' block ids into the host table rows (padding rows read the null
