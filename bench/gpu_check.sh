@@ -18,6 +18,8 @@
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
 #            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
 #            with --engine-process
+#   mixed    mixed-step CUDA graphs (--mixed-step-cuda-graphs, experimental): their GPU tests,
+#            then qwen3-30b-a3b offline 256 x 512/128 and 2048-token TTFT with and without
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -81,6 +83,19 @@ if has targets; then
     --output-json "$OUT_DIR/target_llama8b.json"
 fi
 
+if has mixed; then
+  run mixed_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_runner.py \
+    -k mixed
+  for flag in "" --mixed-step-cuda-graphs; do
+    name=${flag:+_graphs}
+    run "mixed_offline${name:-_eager}" sits bench throughput --random-weights qwen3-30b-a3b \
+      --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 $flag \
+      --output-json "$OUT_DIR/mixed_offline${name:-_eager}.json"
+    run "mixed_ttft${name:-_eager}" sits bench latency --random-weights qwen3-30b-a3b \
+      --batch-size 1 --input-len 2048 --output-len 16 --num-iters 5 --num-iters-warmup 1 $flag \
+      --output-json "$OUT_DIR/mixed_ttft${name:-_eager}.json"
+  done
+fi
 if has kv_ttft; then
   run kv_prefix_ttft python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
     --prefix-len 2000 --suffix-len 100 --num-requests 200 --result-json "$OUT_DIR/kv_prefix.json"

@@ -38,6 +38,8 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: seed of the engine's random source (unseeded requests draw from it).
         enforce_eager: never capture CUDA graphs.
+        mixed_step_cuda_graphs: also capture whole-step graphs for steps with prompt chunks,
+            one per token bucket (`runner.cuda_graphs.MixedGraphs`); experimental, off.
         cpu_offload_gb: GiB of host memory (pinned on CUDA) for a host KV tier: preempted
             requests swap their blocks out and back instead of recomputing when cheaper.
             0 (the default): no host tier, recompute-only preemption. Any kv_cache_dtype:
@@ -68,6 +70,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    mixed_step_cuda_graphs: bool = False
     cpu_offload_gb: float = 0
     load_format: str = "auto"
     skip_tokenizer_init: bool = False

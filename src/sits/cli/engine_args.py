@@ -72,6 +72,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "--enforce-eager", action="store_true", help="no CUDA graphs (every step runs eagerly)"
     )
     parser.add_argument(
+        "--mixed-step-cuda-graphs",
+        action="store_true",
+        help="experimental: also replay steps with prompt chunks from CUDA graphs captured per "
+        "token bucket (removes the kernel-launch cost of eager prefill steps)",
+    )
+    parser.add_argument(
         "--cpu-offload-gb",
         type=float,
         default=0,
@@ -109,6 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
+        "mixed_step_cuda_graphs": args.mixed_step_cuda_graphs,
         "cpu_offload_gb": args.cpu_offload_gb,
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,

@@ -1,4 +1,6 @@
-"""CUDA graphs of the decode forward, one per batch size, replayed over the persistent inputs.
+"""CUDA graphs of the forward, replayed over the persistent inputs: `DecodeGraphs` (one per
+decode batch size) and `MixedGraphs` (one per token bucket, for steps with prompt chunks;
+opt-in, `EngineConfig.mixed_step_cuda_graphs`).
 
 A decode step (every scheduled sequence has one new token) of n sequences replays the graph
 of the smallest captured batch size >= n, after `InputBuffers.prepare(plan, pad_to_seqs=size)`
@@ -142,4 +144,120 @@ class DecodeGraphs:
         """
         entry = self._graphs[batch_size]
         entry.graph.replay()
+        return entry.hidden
+
+
+def mixed_token_buckets(max_num_tokens: int, smallest: int = 64) -> list[int]:
+    """Token counts of the mixed-step graphs: powers of two from `smallest` below
+    `max_num_tokens`, plus `max_num_tokens`; ascending."""
+    buckets = {max_num_tokens}
+    size = smallest
+    while size < max_num_tokens:
+        buckets.add(size)
+        size *= 2
+    return sorted(buckets)
+
+
+class MixedGraphs:
+    """CUDA graphs of whole steps with prompt chunks (mixed or prefill), one per token bucket.
+
+    A step of n tokens in s <= max_num_seqs sequences replays the graph of the smallest bucket
+    >= n after `InputBuffers.prepare(plan, pad_to_seqs=max_num_seqs, pad_to_tokens=bucket)`:
+    padding tokens belong to no sequence (no KV write, masked out of the MoE statistics) and
+    padding sequences have no new tokens. Attention runs in graph mode
+    (`TritonAttentionConfig.fixed_max_query_len` = the bucket): both kernels launch over all
+    max_num_seqs sequences with grids that depend on shapes only, and skip what is empty.
+
+    Args:
+        model, buffers, kv_caches, num_kv_heads, head_dim: as `DecodeGraphs`.
+        max_num_seqs: sequences every graph is captured for.
+
+    Attributes:
+        num_replays: replays so far (steps served by these graphs).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        buffers: InputBuffers,
+        kv_caches: list,
+        num_kv_heads: int,
+        head_dim: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_num_seqs = max_num_seqs
+        self.num_replays = 0
+        self._graphs: dict[int, _Graph] = {}
+        self._sizes: list[int] = []
+
+    @property
+    def token_buckets(self) -> list[int]:
+        """Captured token counts, ascending."""
+        return list(self._sizes)
+
+    def padded_tokens(self, num_tokens: int) -> int | None:
+        """Smallest captured bucket >= num_tokens, or None (run eagerly)."""
+        for size in self._sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture(self, token_buckets: list[int]) -> float:
+        """Capture one graph per token bucket, largest first, in one memory pool.
+
+        Returns:
+            Seconds the capture took.
+        """
+        from sits.kernels.attention_triton import TritonAttentionConfig, TritonPagedAttention
+
+        start = time.perf_counter()
+        pool = None
+        defaults = TritonAttentionConfig.for_head_dim(self.head_dim)
+        splits = decode_splits_for(
+            self.max_num_seqs,
+            self.num_kv_heads,
+            defaults.decode_target_programs,
+            defaults.decode_max_splits,
+        )
+        for size in sorted(token_buckets, reverse=True):
+            config = TritonAttentionConfig.for_head_dim(
+                self.head_dim, decode_num_splits=splits, fixed_max_query_len=size
+            )
+            inputs = self.buffers.prepare_token_padding(size, self.max_num_seqs)
+            ctx = ForwardContext(
+                inputs.metadata,
+                self.kv_caches,
+                TritonPagedAttention(config),
+                token_mask=inputs.token_mask,
+            )
+            for _ in range(2):  # compile and settle the allocator outside the capture
+                self.model(inputs.input_ids, inputs.positions, ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            pool = graph.pool()
+            self._graphs[size] = _Graph(graph, hidden)
+        torch.cuda.synchronize()
+        self._sizes = sorted(self._graphs)
+        elapsed = time.perf_counter() - start
+        logger.info("captured %d mixed-step CUDA graphs in %.1f s", len(self._sizes), elapsed)
+        return elapsed
+
+    def replay(self, num_tokens: int) -> Tensor:
+        """Run the graph of bucket `num_tokens` on the buffers' current contents.
+
+        Returns:
+            [num_tokens, hidden_size] hidden states (static output: read before the next
+            replay).
+        """
+        entry = self._graphs[num_tokens]
+        entry.graph.replay()
+        self.num_replays += 1
         return entry.hidden

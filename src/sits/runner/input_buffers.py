@@ -285,6 +285,44 @@ class InputBuffers:
             token_mask=views.token_mask,
         )
 
+    def prepare_token_padding(self, num_tokens: int, num_seqs: int) -> StepInputs:
+        """Fill `num_tokens` padding tokens and `num_seqs` empty sequences (what a mixed-step
+        graph is captured over) and copy them to the device.
+
+        Returns:
+            StepInputs over the padding: token_mask all False, no KV writes, every sequence
+            without new tokens; its metadata's CPU fields describe no sequence (a graph-mode
+            backend ignores them).
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._np["query_start_loc"][0] = 0
+        self._write_token_padding(0, num_seqs, 0, num_tokens)
+        if self.device.type == "cpu":
+            self._np["block_tables"][:num_seqs, 0] = 0
+        else:
+            self._np["block_tables_stage"][:num_seqs] = 0  # [num_seqs, 1]: the null block
+        self._copy(num_tokens, num_seqs, 1)
+        views = self.view(num_seqs, num_tokens)
+        metadata = AttentionMetadata(
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            query_start_loc_cpu=[0],
+            seq_lens_cpu=[],
+            max_query_len=0,
+            max_seq_len=0,
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=views.input_ids,
+            positions=views.positions,
+            metadata=metadata,
+            last_token_indices=[],
+            token_mask=views.token_mask,
+        )
+
     def _write_padding(self, num_seqs: int, padded_seqs: int, num_tokens: int) -> None:
         """Host rows of the padding sequences num_seqs..padded_seqs-1 (tokens from num_tokens
         on): token 0 at position 0, no KV write (slot -1), masked out, context length 1; their

@@ -8,7 +8,8 @@ engine seed (`Sampler`). It never imports the scheduler.
 
 On CUDA with Triton the attention (and, when available, the MoE) run as Triton kernels and a
 pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
-`enforce_eager`); everything else (prefill and mixed steps, the CPU) runs eagerly.
+`enforce_eager`); with `mixed_step_cuda_graphs` a step with prompt chunks replays the graph of
+its token bucket; everything else (the CPU, and those steps by default) runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResul
 from sits.layers.forward_context import ForwardContext
 from sits.models.loader import load_model
 from sits.runner.backends import graph_safe, select_attention_backend, select_moe_backend
-from sits.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from sits.runner.cuda_graphs import (
+    DecodeGraphs,
+    MixedGraphs,
+    graph_batch_sizes,
+    mixed_token_buckets,
+)
 from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
@@ -143,16 +149,28 @@ class ModelRunner:
             device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
             self.graphs = DecodeGraphs(
                 self.model, self.buffers, self.kv_caches, num_kv_heads, head_dim
             )
             self.graphs.capture(graph_batch_sizes(config.max_num_seqs))
+            if config.mixed_step_cuda_graphs:
+                self.mixed_graphs = MixedGraphs(
+                    self.model,
+                    self.buffers,
+                    self.kv_caches,
+                    num_kv_heads,
+                    head_dim,
+                    config.max_num_seqs,
+                )
+                self.mixed_graphs.capture(mixed_token_buckets(self.buffers.max_num_tokens))
         logger.info(
-            "attention %s, MoE %s, decode CUDA graphs: %s",
+            "attention %s, MoE %s, decode CUDA graphs: %s, mixed-step CUDA graphs: %s",
             type(self.attn_backend).__name__,
             self._moe_backend_name(),
             self.graphs.batch_sizes if self.graphs else "off",
+            self.mixed_graphs.token_buckets if self.mixed_graphs else "off",
         )
 
     def _moe_backend_name(self) -> str:
@@ -212,6 +230,14 @@ class ModelRunner:
         graph_size = None
         if self.graphs is not None and all(sr.num_tokens == 1 for sr in plan.scheduled):
             graph_size = self.graphs.padded_size(len(plan.scheduled))
+        elif self.mixed_graphs is not None:
+            num_tokens = sum(sr.num_tokens for sr in plan.scheduled)
+            bucket = self.mixed_graphs.padded_tokens(num_tokens)
+            if bucket is not None:
+                inputs = self.buffers.prepare(
+                    plan, pad_to_seqs=self.mixed_graphs.max_num_seqs, pad_to_tokens=bucket
+                )
+                return self.mixed_graphs.replay(bucket), inputs.last_token_indices
         inputs = self.buffers.prepare(plan, pad_to_seqs=graph_size)
         if graph_size is not None:
             return self.graphs.replay(graph_size), inputs.last_token_indices
