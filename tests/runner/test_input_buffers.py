@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sits.core.plan import ScheduledRequest, StepPlan
-from sits.runner.cuda_graphs import decode_splits_for, graph_batch_sizes
+from sits.runner.cuda_graphs import decode_splits_for, graph_batch_sizes, mixed_token_buckets
 from sits.runner.input_buffers import InputBuffers
 
 BLOCK_SIZE = 4
@@ -170,3 +170,24 @@ def test_padding_only_batch_for_graph_capture() -> None:
     assert inputs.token_mask is not None and inputs.token_mask.tolist() == [False] * 3
     assert md.query_start_loc_cpu == [0, 1, 2, 3] and md.seq_lens_cpu == [1, 1, 1]
     assert (md.max_query_len, md.max_seq_len) == (1, 1)
+
+
+def test_token_padding_only_batch_for_mixed_graph_capture() -> None:
+    buffers = _buffers()
+    buffers.prepare(StepPlan([_sr("x", [1] * 20, 0, [1, 2, 3, 4, 5])]))  # leaves stale rows
+    inputs = buffers.prepare_token_padding(num_tokens=12, num_seqs=5)
+    md = inputs.metadata
+    assert inputs.input_ids.tolist() == [0] * 12 and inputs.positions.tolist() == [0] * 12
+    assert md.slot_mapping.tolist() == [-1] * 12
+    assert inputs.token_mask is not None and inputs.token_mask.tolist() == [False] * 12
+    assert md.query_start_loc.tolist() == [0] * 6 and md.seq_lens.tolist() == [0] * 5
+    assert md.block_tables[:, 0].tolist() == [0] * 5
+    assert md.query_start_loc_cpu == [0] and md.seq_lens_cpu == [] and md.max_query_len == 0
+    assert inputs.last_token_indices == []
+
+
+def test_mixed_token_buckets() -> None:
+    assert mixed_token_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert mixed_token_buckets(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert mixed_token_buckets(300) == [64, 128, 256, 300]
+    assert mixed_token_buckets(64) == [64] and mixed_token_buckets(16) == [16]
