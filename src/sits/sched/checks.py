@@ -85,3 +85,8 @@ def engine_output(
         stop_reason=request.stop_reason,
         num_cached_tokens=max(request.num_cached_tokens, 0),
     )
+
+
+def is_decode(request: Request) -> bool:
+    """True when the request's next work is one decode token (not a prompt chunk/recompute)."""
+    return bool(request.output_token_ids) and request.num_tokens - request.num_computed_tokens == 1

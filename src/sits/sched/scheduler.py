@@ -36,8 +36,9 @@ Invariants:
   cdiv(num_computed_tokens, block_size) host blocks, freed when it finishes or after the step
   whose plan swapped them back in (so no swap-out of that step can overwrite them first).
 - Blocks of a step's tokens enter the prefix cache in `update`, after they are computed.
-- A step's scheduled tokens sum to at most `max_num_batched_tokens`; a request sampled in a
-  step is one whose computed tokens reach all its tokens.
+- A step's scheduled tokens sum to at most `max_num_batched_tokens`, its prompt chunks and
+  recomputes to at most `schedule`'s `max_prefill_tokens` (TPOT pacing; decodes are never
+  limited); a request sampled in a step is one whose computed tokens reach all its tokens.
 - After a step that preempted, or once a waiting request did not fit, only admissions within
   the admitted tenant's own reservation happen in that step (nobody borrows past it).
 """
@@ -53,7 +54,7 @@ from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResul
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
 from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixCacheStats, PrefixHit
-from sits.sched.checks import check_stop, engine_output, validate_request
+from sits.sched.checks import check_stop, engine_output, is_decode, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
 from sits.sched.swap import SwapPlanner
@@ -313,7 +314,7 @@ class Scheduler:
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens, step.token_budget
             )
-            if not _is_decode(request):
+            if not is_decode(request):
                 num_new_tokens = min(num_new_tokens, step.prefill_budget)
                 if num_new_tokens == 0:
                     continue  # paced: its prompt goes on in a later step
@@ -502,7 +503,7 @@ class Scheduler:
             )
         )
         step.scheduled_ids.add(request_id)
-        if not _is_decode(request):  # before _charge: `start` is its computed tokens now
+        if not is_decode(request):  # before _charge: `start` is its computed tokens now
             step.prefill_budget -= num_new_tokens
         step.token_budget -= num_new_tokens
         tenant_tokens = step.tokens_by_tenant
@@ -617,8 +618,3 @@ class Scheduler:
         if self._running_finished:
             self._running = [r for r in self._running if not r.is_finished]
             self._running_finished = False
-
-
-def _is_decode(request: Request) -> bool:
-    """True when the request's next work is one decode token (not a prompt chunk/recompute)."""
-    return bool(request.output_token_ids) and request.num_tokens - request.num_computed_tokens == 1
