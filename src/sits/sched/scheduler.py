@@ -45,20 +45,20 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
-from sits.kvcache.host_pool import HostBlockPool, SwapStats
-from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixCacheStats, PrefixHit
+from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixHit
 from sits.sched.checks import check_stop, engine_output, is_decode, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
+from sits.sched.queries import SchedulerQueries
 from sits.sched.swap import SwapPlanner
-from sits.sched.tenants import TenantBook, TenantSchedStats, TenantState
+from sits.sched.tenants import TenantBook, TenantState
 
 
 @dataclass(slots=True)
@@ -78,7 +78,7 @@ class _StepState:
     tokens_by_tenant: dict[str, int] = field(default_factory=dict)  # scheduled, per tenant id
 
 
-class Scheduler:
+class Scheduler(SchedulerQueries):
     """Continuous-batching scheduler over a paged KV cache with prefix caching and tenants.
 
     Args:
@@ -160,85 +160,6 @@ class Scheduler:
             outputs.append(engine_output(request, [], None, None))
         self._drop_finished()
         return outputs
-
-    def get_request(self, request_id: str) -> Request | None:
-        """An unfinished request by id (finished requests are dropped), or None."""
-        return self._requests.get(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self._requests)
-
-    def waiting_request_ids(self) -> list[str]:
-        """Waiting request ids in service order: tenants by `tenant_order_key` as they stand
-        now, each tenant's queue front first (without tenants: the FCFS queue)."""
-        return [r.request_id for t in self._book.backlogged() for r in t.queue]
-
-    def running_request_ids(self) -> list[str]:
-        """Running request ids in running (admission) order."""
-        return [r.request_id for r in self._running]
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return self._book.num_waiting
-
-    @property
-    def num_preemptions(self) -> int:
-        """Preemptions since the scheduler started (cumulative)."""
-        return self._num_preemptions
-
-    @property
-    def host(self) -> HostBlockPool:
-        """The host KV tier's block pool (num_blocks 0 without a tier)."""
-        return self.swapper.host
-
-    @property
-    def swap_stats(self) -> SwapStats:
-        """Cumulative swap / recompute preemption counters."""
-        return self.swapper.stats
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of usable KV blocks in use, in [0, 1]."""
-        return self.kv.usage
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Usable KV blocks held by no request (cached free blocks included)."""
-        return self.kv.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        """Usable KV blocks (num_blocks minus the reserved null block)."""
-        return self.kv.num_usable_blocks
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Cumulative prefix-cache query and hit counters (in tokens)."""
-        return self.kv.stats
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; False (no change) while any request holds blocks."""
-        return self.kv.reset_prefix_cache()
-
-    # ------------------------------------------------------------------------------ tenants
-    def tenant_stats(self) -> dict[str, TenantSchedStats]:
-        """Per-tenant numbers for metrics, by tenant id in config order (empty without
-        configured tenants)."""
-        return self._book.stats()
-
-    def set_borrowing_tiers(self, tiers: Iterable[TenantTier]) -> None:
-        """Tiers whose tenants may start new work beyond their own reservation (default: all).
-
-        For overload control: e.g. `{GUARANTEED}` in a yellow state makes best-effort work
-        wait and stops burstable borrowing; running requests keep going. No effect without
-        configured tenants.
-        """
-        self._book.set_borrowing_tiers(tiers)
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self, max_prefill_tokens: int | None = None) -> StepPlan:

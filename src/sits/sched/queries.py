@@ -1,0 +1,106 @@
+"""`SchedulerQueries`: the scheduler's read-only views and its two outside knobs (prefix-cache
+reset, borrowing tiers), kept apart from the scheduling decisions in `sits.sched.scheduler`.
+
+`Scheduler` inherits these; they read its state (requests, running list, tenant book, KV
+manager, swap planner) and change no scheduling state but what their docstrings say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sits.core.request import Request
+from sits.kvcache.host_pool import HostBlockPool, SwapStats
+from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats
+from sits.sched.config import TenantTier
+from sits.sched.swap import SwapPlanner
+from sits.sched.tenants import TenantBook, TenantSchedStats
+
+
+class SchedulerQueries:
+    """Read-only views of a `Scheduler` (its base class; never used alone)."""
+
+    kv: KVCacheManager
+    swapper: SwapPlanner
+    _book: TenantBook
+    _requests: dict[str, Request]
+    _running: list[Request]
+    _num_preemptions: int
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished requests are dropped), or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    def waiting_request_ids(self) -> list[str]:
+        """Waiting request ids in service order: tenants by `tenant_order_key` as they stand
+        now, each tenant's queue front first (without tenants: the FCFS queue)."""
+        return [r.request_id for t in self._book.backlogged() for r in t.queue]
+
+    def running_request_ids(self) -> list[str]:
+        """Running request ids in running (admission) order."""
+        return [r.request_id for r in self._running]
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._book.num_waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since the scheduler started (cumulative)."""
+        return self._num_preemptions
+
+    @property
+    def host(self) -> HostBlockPool:
+        """The host KV tier's block pool (num_blocks 0 without a tier)."""
+        return self.swapper.host
+
+    @property
+    def swap_stats(self) -> SwapStats:
+        """Cumulative swap / recompute preemption counters."""
+        return self.swapper.stats
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of usable KV blocks in use, in [0, 1]."""
+        return self.kv.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Usable KV blocks held by no request (cached free blocks included)."""
+        return self.kv.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Usable KV blocks (num_blocks minus the reserved null block)."""
+        return self.kv.num_usable_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative prefix-cache query and hit counters (in tokens)."""
+        return self.kv.stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (no change) while any request holds blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def tenant_stats(self) -> dict[str, TenantSchedStats]:
+        """Per-tenant numbers for metrics, by tenant id in config order (empty without
+        configured tenants)."""
+        return self._book.stats()
+
+    def set_borrowing_tiers(self, tiers: Iterable[TenantTier]) -> None:
+        """Tiers whose tenants may start new work beyond their own reservation (default: all).
+
+        For overload control: e.g. `{GUARANTEED}` in a yellow state makes best-effort work
+        wait and stops burstable borrowing; running requests keep going. No effect without
+        configured tenants.
+        """
+        self._book.set_borrowing_tiers(tiers)
