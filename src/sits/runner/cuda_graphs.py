@@ -21,6 +21,7 @@ is the one vLLM and SGLang describe for decode.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from sits.kernels.triton_utils import cdiv
 from sits.layers.forward_context import ForwardContext
-from sits.runner.input_buffers import InputBuffers
+from sits.runner.input_buffers import InputBuffers, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,27 @@ def decode_splits_for(
 class _Graph:
     graph: torch.cuda.CUDAGraph
     hidden: Tensor  # [batch_size, hidden_size], the graph's static output
+
+
+def _smallest_at_least(sizes: list[int], n: int) -> int | None:
+    """The first of the ascending `sizes` that is >= n, or None."""
+    index = bisect.bisect_left(sizes, n)
+    return sizes[index] if index < len(sizes) else None
+
+
+def _capture(
+    model: nn.Module, inputs: StepInputs, kv_caches: list, attention: object, pool: object
+) -> _Graph:
+    """Warm up (compile the kernels, settle the allocator) and capture one forward over the
+    padding `inputs` with `attention`, in the memory pool `pool` (None: a new one)."""
+    ctx = ForwardContext(inputs.metadata, kv_caches, attention, token_mask=inputs.token_mask)
+    for _ in range(2):
+        model(inputs.input_ids, inputs.positions, ctx)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = model(inputs.input_ids, inputs.positions, ctx)
+    return _Graph(graph, hidden)
 
 
 class DecodeGraphs:
@@ -92,10 +114,7 @@ class DecodeGraphs:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """Smallest captured batch size >= num_seqs, or None (run eagerly)."""
-        for size in self._sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return _smallest_at_least(self._sizes, num_seqs)
 
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int]) -> float:
@@ -115,20 +134,9 @@ class DecodeGraphs:
             )
             config = TritonAttentionConfig.for_head_dim(self.head_dim, decode_num_splits=splits)
             inputs = self.buffers.prepare_padding(size)  # null block, no KV write, not counted
-            ctx = ForwardContext(
-                inputs.metadata,
-                self.kv_caches,
-                TritonPagedAttention(config),
-                token_mask=inputs.token_mask,
-            )
-            for _ in range(2):  # compile and settle the allocator outside the capture
-                self.model(inputs.input_ids, inputs.positions, ctx)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-            pool = graph.pool()
-            self._graphs[size] = _Graph(graph, hidden)
+            attention = TritonPagedAttention(config)
+            self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
+            pool = self._graphs[size].graph.pool()
         torch.cuda.synchronize()
         self._sizes = sorted(self._graphs)
         elapsed = time.perf_counter() - start
@@ -202,10 +210,7 @@ class MixedGraphs:
 
     def padded_tokens(self, num_tokens: int) -> int | None:
         """Smallest captured bucket >= num_tokens, or None (run eagerly)."""
-        for size in self._sizes:
-            if size >= num_tokens:
-                return size
-        return None
+        return _smallest_at_least(self._sizes, num_tokens)
 
     @torch.inference_mode()
     def capture(self, token_buckets: list[int]) -> float:
@@ -230,20 +235,9 @@ class MixedGraphs:
                 self.head_dim, decode_num_splits=splits, fixed_max_query_len=size
             )
             inputs = self.buffers.prepare_token_padding(size, self.max_num_seqs)
-            ctx = ForwardContext(
-                inputs.metadata,
-                self.kv_caches,
-                TritonPagedAttention(config),
-                token_mask=inputs.token_mask,
-            )
-            for _ in range(2):  # compile and settle the allocator outside the capture
-                self.model(inputs.input_ids, inputs.positions, ctx)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-            pool = graph.pool()
-            self._graphs[size] = _Graph(graph, hidden)
+            attention = TritonPagedAttention(config)
+            self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
+            pool = self._graphs[size].graph.pool()
         torch.cuda.synchronize()
         self._sizes = sorted(self._graphs)
         elapsed = time.perf_counter() - start
