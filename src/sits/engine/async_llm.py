@@ -11,13 +11,13 @@ if the loop dies, every in-flight request gets `EngineDeadError` at once. The re
 
 `stats()` is a snapshot the engine thread refreshes after each step and each batch of inbox
 commands; its queue and per-tenant part (an O(requests) scan) is refreshed at most every
-`_LOAD_STATS_PERIOD_S` while requests run, and always when the engine goes idle.
+`driver.LOAD_STATS_PERIOD_S` while requests run, and always when the engine goes idle.
 `set_borrowing_tiers` reaches the scheduler through the inbox (overload control); while
 only work it defers waits (nothing running), the loop waits on the inbox instead of stepping.
 
 MoE experts (`sits.layers.moe_stats`): the engine thread copies the device-side expert
-counters to the host every `_EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle and on
-request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
+counters to the host every `driver.EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle
+and on request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
 on the engine thread between steps, so requests in flight continue. With spare expert slots
 (`EngineConfig.num_spare_experts`) or `restore_frozen_experts`, that periodic read also
 reloads each expert the health check froze from the checkpoint (into a spare slot when there
@@ -27,7 +27,6 @@ is one) and unfreezes it (`ExpertMonitor.read` with `auto_restore`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import queue
@@ -39,23 +38,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sits.config import EngineConfig
-from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
+from sits.core.errors import EngineDeadError, SitsError
 from sits.core.request import Request
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
-from sits.engine.front_end import RequestFrontEnd, parse_tiers, tier_values
+from sits.engine.driver import ALL_TIERS, EngineDriver
+from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
-from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertMonitor, ExpertStats
-from sits.sched.config import TenantPolicy, TenantTier
+from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
+from sits.sched.config import TenantPolicy
 from sits.sched.tenants import TenantSchedStats
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.2
-_LOAD_STATS_PERIOD_S = 0.02
-_ALL_TIERS = tuple(tier.value for tier in TenantTier)
-_EXPERT_STATS_PERIOD_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +104,7 @@ class EngineStats:
     num_queued_prefill_tokens: int = 0
     num_prefill_tokens: int = 0
     prefill_busy_s: float = 0.0
-    borrowing_tiers: tuple[str, ...] = _ALL_TIERS
+    borrowing_tiers: tuple[str, ...] = ALL_TIERS
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
     swap: SwapStats = field(default_factory=SwapStats)
@@ -167,20 +164,9 @@ class AsyncLLM(RequestFrontEnd):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._heartbeat_s = time.monotonic()
-        self._stats = EngineStats()
-        self._borrowing_tiers = _ALL_TIERS
-        self._load_time_s = -1.0
-        monitor = ExpertMonitor.of_model(
-            parts.core.runner.model,
-            expert_freeze_after,
-            model_dir=parts.info.model_dir,
-            auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
+        self._driver = EngineDriver(
+            parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
         )
-        self._experts = monitor if monitor.blocks else None
-        self._expert_stats: ExpertStats | None = None
-        self._expert_read_step = -1
-        self._read_experts()
-        self._update_stats(force=True)
         self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
         self._thread.start()
 
@@ -195,7 +181,7 @@ class AsyncLLM(RequestFrontEnd):
 
     def stats(self) -> EngineStats:
         """The latest load snapshot."""
-        return self._stats
+        return self._driver.stats
 
     def set_borrowing_tiers(self, tiers: Iterable[str | Enum]) -> None:
         """Let only tenants of `tiers` start work beyond their reservation (overload control).
@@ -216,7 +202,7 @@ class AsyncLLM(RequestFrontEnd):
         Raises:
             EngineDeadError: the engine loop is dead or hung.
         """
-        return await self._call_on_engine(self._read_experts)
+        return await self._call_on_engine(self._driver.read_experts)
 
     async def freeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Mask expert `expert_id` of decoder layer `layer_id` in its router from the next step.
@@ -229,31 +215,16 @@ class AsyncLLM(RequestFrontEnd):
                 experts would be left.
             EngineDeadError: the engine loop is dead or hung.
         """
-
-        def freeze() -> ExpertStats | None:
-            self._require_experts().freeze(layer_id, expert_id)
-            return self._read_experts()
-
-        return await self._call_on_engine(freeze)
+        return await self._expert_operation("freeze", layer_id, expert_id)
 
     async def unfreeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Route to the expert again (see `freeze_expert`; same errors)."""
-
-        def unfreeze() -> ExpertStats | None:
-            self._require_experts().unfreeze(layer_id, expert_id)
-            return self._read_experts()
-
-        return await self._call_on_engine(unfreeze)
+        return await self._expert_operation("unfreeze", layer_id, expert_id)
 
     async def restore_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Reload the expert's weights from the checkpoint and unfreeze it (see
         `freeze_expert`; also UnsupportedModelError when the checkpoint lacks them)."""
-
-        def restore() -> ExpertStats | None:
-            self._require_experts().restore(layer_id, expert_id, self.info.model_dir)
-            return self._read_experts()
-
-        return await self._call_on_engine(restore)
+        return await self._expert_operation("restore", layer_id, expert_id)
 
     async def prefill_chunks(self) -> list[PrefillChunk]:
         """The latest prompt chunks the engine computed, oldest first (`EngineCore.prefill_chunks`,
@@ -296,16 +267,19 @@ class AsyncLLM(RequestFrontEnd):
         self._inbox.put(("call", fn, future))
         return await asyncio.wrap_future(future)
 
-    def _require_experts(self) -> ExpertMonitor:
-        if self._experts is None:
-            raise InvalidParameterError("layer", "the model has no MoE layers")
-        return self._experts
+    async def _expert_operation(
+        self, name: str, layer_id: int, expert_id: int
+    ) -> ExpertStats | None:
+        """`EngineDriver.expert_operation` on the engine thread between steps."""
+        return await self._call_on_engine(
+            lambda: self._driver.expert_operation(name, layer_id, expert_id)
+        )
 
     # ---- engine thread ------------------------------------------------------------------
 
     def _engine_loop(self) -> None:
         core = self.engine_core
-        sched = core.scheduler
+        driver = self._driver
         stalled = False
         try:
             while not self._stopping:
@@ -313,20 +287,8 @@ class AsyncLLM(RequestFrontEnd):
                 self._drain_inbox(block=stalled or not core.has_unfinished_requests())
                 if self._stopping or not core.has_unfinished_requests():
                     continue
-                num_preemptions = sched.num_preemptions
-                outputs = core.step()
-                # Nothing runs, nothing started and nothing was preempted: the waiting work
-                # cannot start (e.g. deferred by `set_borrowing_tiers`) and the next step would
-                # decide the same, so wait for a command instead of spinning.
-                stalled = (
-                    not outputs
-                    and sched.num_running == 0
-                    and sched.num_preemptions == num_preemptions
-                )
-                idle = stalled or not core.has_unfinished_requests()
-                if idle or core.num_steps - self._expert_read_step >= _EXPERT_STATS_PERIOD_STEPS:
-                    self._read_experts()
-                self._update_stats(force=idle)
+                outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
+                driver.snapshot(force=stalled or not core.has_unfinished_requests())
                 if outputs:
                     self._post(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
@@ -334,16 +296,6 @@ class AsyncLLM(RequestFrontEnd):
             self.dead_error = exc
             self.errored = True
             self._post(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
-
-    def _post(self, fn: Callable[..., object], *args: object) -> None:
-        """Run `fn(*args)` on the asyncio loop of the latest `generate`; dropped when there is
-        none or it has closed (e.g. after `asyncio.run` returned: nobody awaits its outputs),
-        so a closed loop never kills the engine thread."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # closed between the check and the call
-            loop.call_soon_threadsafe(fn, *args)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -356,7 +308,7 @@ class AsyncLLM(RequestFrontEnd):
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self._update_stats(force=True)
+        self._driver.snapshot(force=True)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
@@ -372,9 +324,7 @@ class AsyncLLM(RequestFrontEnd):
             _, ids, reason, stop_reason = command
             self.engine_core.finish_requests(ids, reason, stop_reason)
         elif kind == "borrowing":
-            tiers = command[1]
-            self.engine_core.scheduler.set_borrowing_tiers(tiers)
-            self._borrowing_tiers = tier_values(tiers)
+            self._driver.set_borrowing_tiers(command[1])
         elif kind == "call":
             _, fn, future = command
             try:
@@ -383,30 +333,6 @@ class AsyncLLM(RequestFrontEnd):
                 future.set_exception(exc)
         elif kind == "stop":
             self._stopping = True
-
-    def _read_experts(self) -> ExpertStats | None:
-        """Copy the expert counters to the host (engine thread only; one device sync)."""
-        if self._experts is None:
-            return None
-        num_steps = self.engine_core.num_steps
-        self._expert_read_step = num_steps
-        stats = self._experts.read(num_steps)  # restores newly frozen experts (auto_restore)
-        self._expert_stats = stats
-        return stats
-
-    def _update_stats(self, force: bool = False) -> None:
-        now_s = time.monotonic()
-        refresh_load = force or now_s - self._load_time_s >= _LOAD_STATS_PERIOD_S
-        if refresh_load:
-            self._load_time_s = now_s
-        self._stats = snapshot_stats(
-            self.engine_core,
-            self._stats,
-            refresh_load=refresh_load,
-            borrowing_tiers=self._borrowing_tiers,
-            experts=self._expert_stats,
-            now_s=now_s,
-        )
 
 
 def snapshot_stats(

@@ -21,7 +21,6 @@ engine is raised by the constructor with the child's exception class and message
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -265,14 +264,6 @@ class AsyncMPLLM(RequestFrontEnd):
             self._post(self._resolve, call_id, ok, value)
         elif kind == "died":
             self.dead_error = unpack_error(message[1])
-
-    def _post(self, fn: Any, *args: Any) -> None:
-        """Run `fn(*args)` on the asyncio loop (dropped when there is none or it closed)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(fn, *args)
 
     # ---- process ------------------------------------------------------------------------
 

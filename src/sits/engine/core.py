@@ -266,8 +266,9 @@ class EngineCore:
         outputs = self.scheduler.update(plan, result)
         end_s = time.monotonic()
         self.num_steps += 1
+        num_prefill_tokens = sum(sr.num_tokens for sr in prefills)
         if prefills:
-            self.num_prefill_tokens += sum(sr.num_tokens for sr in prefills)
+            self.num_prefill_tokens += num_prefill_tokens
             self.prefill_busy_s += end_s - now
             self.prefill_chunks.extend(
                 PrefillChunk(sr.request_id, now, end_s, sr.start_position, sr.num_tokens)
@@ -280,7 +281,7 @@ class EngineCore:
         self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
         if self.pacer.enabled and plan.scheduled:
             self.pacer.observe_step(
-                sum(sr.num_tokens for sr in prefills),
+                num_prefill_tokens,
                 end_s - start_s,
                 end_s,
                 (out.request_id for out in outputs if out.new_token_ids),

@@ -16,7 +16,7 @@ snapshot, ("stats", EngineStats) after a batch of commands and before each call'
 PackedError) when the loop fails.
 
 The loop keeps `AsyncLLM._engine_loop`'s rules: block on the inbox while idle or stalled,
-read the MoE expert counters every `_EXPERT_STATS_PERIOD_STEPS` steps and when idle, and
+read the MoE expert counters as `EngineDriver` does (the same code), and
 snapshot the stats after each batch of commands, when idle, when a step changed the number
 of running or waiting requests, and else every `_STATS_PERIOD_S` while stepping. The child
 ignores SIGINT (the parent owns shutdown) and exits when the parent's end of the command pipe
@@ -36,17 +36,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sits.config import EngineConfig
-from sits.core.errors import InvalidParameterError, SitsError
-from sits.engine.async_llm import (
-    _ALL_TIERS,
-    _EXPERT_STATS_PERIOD_STEPS,
-    _IDLE_WAIT_S,
-    _LOAD_STATS_PERIOD_S,
-    EngineStats,
-    snapshot_stats,
-)
-from sits.engine.front_end import tier_values
-from sits.layers.moe_stats import ExpertMonitor, ExpertStats
+from sits.core.errors import SitsError
+from sits.engine.async_llm import _IDLE_WAIT_S, EngineStats
+from sits.engine.driver import EngineDriver
 from sits.sched.config import TenantPolicy
 
 logger = logging.getLogger(__name__)
@@ -173,21 +165,15 @@ class _EngineProc:
         self.cmd_conn = cmd_conn
         self.out_conn = out_conn
         self.stopping = False
-        self.borrowing_tiers = _ALL_TIERS
-        monitor = ExpertMonitor.of_model(
-            parts.core.runner.model,
-            expert_freeze_after,
-            model_dir=parts.info.model_dir,
-            auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
+        self.driver = EngineDriver(
+            parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
         )
-        self.experts = monitor if monitor.blocks else None
-        self.expert_stats: ExpertStats | None = None
-        self.expert_read_step = -1
-        self.stats = EngineStats()
-        self.stats_time_s = -1.0
-        self.load_time_s = -1.0
-        self.read_experts()
-        self.snapshot(force=True)
+        self.stats_time_s = time.monotonic()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot."""
+        return self.driver.stats
 
     def run(self) -> None:
         """The step loop (see the module docstring); sends ("died", ...) when it fails."""
@@ -199,17 +185,8 @@ class _EngineProc:
                 self.drain(block=stalled or not core.has_unfinished_requests())
                 if self.stopping or not core.has_unfinished_requests():
                     continue
-                num_preemptions = sched.num_preemptions
-                outputs = core.step()
-                # As in AsyncLLM: nothing runs, started or was preempted -> wait for a command.
-                stalled = (
-                    not outputs
-                    and sched.num_running == 0
-                    and sched.num_preemptions == num_preemptions
-                )
+                outputs, stalled = self.driver.step()  # stalled: wait for a command
                 idle = stalled or not core.has_unfinished_requests()
-                if idle or core.num_steps - self.expert_read_step >= _EXPERT_STATS_PERIOD_STEPS:
-                    self.read_experts()
                 due = (
                     idle
                     or time.monotonic() - self.stats_time_s >= _STATS_PERIOD_S
@@ -255,8 +232,7 @@ class _EngineProc:
             _, ids, reason, stop_reason = command
             core.finish_requests(ids, reason, stop_reason)
         elif kind == "borrowing":
-            core.scheduler.set_borrowing_tiers(command[1])
-            self.borrowing_tiers = tier_values(command[1])
+            self.driver.set_borrowing_tiers(command[1])
         elif kind == "timeline":
             core.record_request_chunks = bool(command[1])
         elif kind == "call":
@@ -275,43 +251,13 @@ class _EngineProc:
         """The named call of `AsyncMPLLM` (expert surface, prefill chunks)."""
         if name == "prefill_chunks":
             return list(self.core.prefill_chunks)
-        if name != "expert_stats":
-            if self.experts is None:
-                raise InvalidParameterError("layer", "the model has no MoE layers")
-            layer_id, expert_id = args
-            if name == "freeze_expert":
-                self.experts.freeze(layer_id, expert_id)
-            elif name == "unfreeze_expert":
-                self.experts.unfreeze(layer_id, expert_id)
-            elif name == "restore_expert":
-                self.experts.restore(layer_id, expert_id, self.info.model_dir)
-            else:
-                raise ValueError(f"unknown engine call {name!r}")
-        return self.read_experts()
-
-    def read_experts(self) -> ExpertStats | None:
-        """Copy the expert counters to the host (one device sync; as `AsyncLLM`)."""
-        if self.experts is None:
-            return None
-        num_steps = self.core.num_steps
-        self.expert_read_step = num_steps
-        self.expert_stats = self.experts.read(num_steps)
-        return self.expert_stats
+        if name == "expert_stats":
+            return self.driver.read_experts()
+        if name not in ("freeze_expert", "unfreeze_expert", "restore_expert"):
+            raise ValueError(f"unknown engine call {name!r}")
+        return self.driver.expert_operation(name.removesuffix("_expert"), *args)
 
     def snapshot(self, force: bool) -> EngineStats:
-        """A fresh stats snapshot, kept in `stats`; its per-tenant scan is redone when `force`
-        or at most every `_LOAD_STATS_PERIOD_S` (as `AsyncLLM._update_stats`)."""
-        now_s = time.monotonic()
-        self.stats_time_s = now_s
-        refresh_load = force or now_s - self.load_time_s >= _LOAD_STATS_PERIOD_S
-        if refresh_load:
-            self.load_time_s = now_s
-        self.stats = snapshot_stats(
-            self.core,
-            self.stats,
-            refresh_load=refresh_load,
-            borrowing_tiers=self.borrowing_tiers,
-            experts=self.expert_stats,
-            now_s=now_s,
-        )
-        return self.stats
+        """A fresh stats snapshot (`EngineDriver.snapshot`), noting when it was taken."""
+        self.stats_time_s = time.monotonic()
+        return self.driver.snapshot(force)

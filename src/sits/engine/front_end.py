@@ -15,7 +15,8 @@ Commands a subclass's engine side must accept (tuples, first item the kind):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable
 from enum import Enum
 
 from sits.config import EngineConfig
@@ -140,6 +141,16 @@ class RequestFrontEnd:
         open_ids = self._processor.remove_request(request_id)
         if open_ids:
             self._send(("finish", open_ids, FinishReason.ABORT, None))
+
+    def _post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)` on the asyncio loop of the latest `generate` (from the engine's
+        thread); dropped when there is none or it has closed (e.g. after `asyncio.run`
+        returned: nobody awaits its outputs), so a closed loop never kills the engine side."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            loop.call_soon_threadsafe(fn, *args)
 
     def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         processed = self._processor.process(outputs)
