@@ -14,10 +14,12 @@
 #   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min); --max-num-seqs 1024
 #            so that KV capacity, not the default 256 sequence slots, bounds the batch
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
-#   qos      the issue-6 target: guaranteed + 3x burstable flood, QoS vs FCFS (needs the
+#   qos      the issue-6 target's QoS half: guaranteed + 3x burstable flood (needs the
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
 #            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
-#            with --engine-process
+#            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's)
+#   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
+#            two JSONs with python3 bench/qos/combine.py)
 #   mixed    mixed-step CUDA graphs (--mixed-step-cuda-graphs, experimental): their GPU tests,
 #            then qwen3-30b-a3b offline 256 x 512/128 and 2048-token TTFT with and without
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
@@ -113,7 +115,7 @@ if has kv_host; then
     --dtype bfloat16 --kv-cache-memory-bytes 5153960755 --input-len 768 --output-len 256 \
     --result-json "$OUT_DIR/kv_tiers.json"
 fi
-if has qos || has loop; then
+if has qos || has qos_fcfs || has loop; then
   if ! python3 -c "import fastapi, uvicorn, pydantic, opentelemetry.sdk" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -135,7 +137,7 @@ if has loop; then
     --num-prompts 1500 --input-len 512 --output-len 128 --request-rate 25 \
     --result-json "$OUT_DIR/loop_lag.json"
 fi
-if has qos; then
+if has qos || has qos_fcfs; then
   [[ -n "${ENGINE_PROCESS:-}" ]] && serve_args="$serve_args --engine-process"
   if [[ -n "${QOS_CAPACITY:-}" ]]; then  # a capacity (req/s) measured before: no capacity run
     echo "{\"runs\": {\"fcfs\": {\"totals\": {\"request_throughput\": $QOS_CAPACITY}}}}" \
@@ -146,12 +148,16 @@ if has qos; then
       --result-json "$OUT_DIR/qos_capacity.json"
   fi
   run qos_calibrate python3 bench/qos/calibrate.py "$OUT_DIR/qos_capacity.json" \
-    bench/qos/mix.toml "$OUT_DIR/qos_mix.toml"
-  run qos_target sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
-    --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" --ignore-eos \
-    --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos.json"
+    bench/qos/mix.toml "$OUT_DIR/qos_mix.toml" ${QOS_DURATION:+--duration-s "$QOS_DURATION"}
+  modes=()
+  has qos && modes+=(qos)
+  has qos_fcfs && modes+=(fcfs)
+  for mode in "${modes[@]}"; do
+    run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
+      --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
+      --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json"
+  done
 fi
-
 echo
 echo "| step | exit | time | last line |"
 echo "|---|---|---|---|"

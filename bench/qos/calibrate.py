@@ -6,7 +6,7 @@ mix) gets G = --guaranteed-share x C, every other tenant an equal part of
 --flood-factor x (C - G), the target's "3x the remaining capacity".
 
 Usage: python bench/qos/calibrate.py CAPACITY_JSON MIX_TOML OUT_TOML
-           [--guaranteed-share 0.3] [--flood-factor 3]
+           [--guaranteed-share 0.3] [--flood-factor 3] [--duration-s S]
 """
 
 from __future__ import annotations
@@ -44,12 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_toml")
     p.add_argument("--guaranteed-share", type=float, default=0.3)
     p.add_argument("--flood-factor", type=float, default=3.0)
+    p.add_argument("--duration-s", type=float, default=None, help="send for S seconds")
     args = p.parse_args(argv)
     with open(args.capacity_json) as f:
         capacity = capacity_of(json.load(f))
     with open(args.mix_toml, "rb") as f:
         mix = tomllib.load(f)
     tenants = mix["tenants"]
+    if args.duration_s is not None:
+        mix["defaults"] = {**mix.get("defaults", {}), "duration_s": args.duration_s}
+        tenants = [{k: v for k, v in t.items() if k not in ("duration_s", "num_prompts")}
+                   for t in tenants]  # fmt: skip
     rates = calibrated_rates(capacity, len(tenants), args.guaranteed_share, args.flood_factor)
     lines = [f"# calibrated from {args.capacity_json}: capacity {capacity:.3f} req/s", ""]
     if "defaults" in mix:

@@ -38,3 +38,43 @@ def test_written_mix_loads_with_the_rates(tmp_path) -> None:
     assert tenants["gold"].api_key == "sk-bench-gold" and tenants["gold"].input_len == 512
     capacity_mix = load_tenants_mix(str(ROOT / "bench/qos/capacity.toml"), TenantLoad())
     assert [t.num_prompts for t in capacity_mix] == [300]
+
+
+def test_duration_override_replaces_every_tenants_count(tmp_path) -> None:
+    capacity = tmp_path / "cap.json"
+    capacity.write_text(json.dumps({"runs": {"fcfs": {"totals": {"request_throughput": 10.0}}}}))
+    mix = tmp_path / "in.toml"
+    mix.write_text(
+        '[defaults]\nduration_s = 120\n[[tenants]]\nname = "a"\nnum_prompts = 5\n'
+        '[[tenants]]\nname = "b"\nduration_s = 30\n'
+    )
+    out = tmp_path / "mix.toml"
+    args = [str(capacity), str(mix), str(out), "--duration-s", "45"]
+    assert _calibrate().main(args) == 0
+    tenants = load_tenants_mix(str(out), TenantLoad())
+    assert [(t.duration_s, t.num_prompts) for t in tenants] == [(45.0, None), (45.0, None)]
+    assert [t.request_rate for t in tenants] == pytest.approx([3.0, 21.0])
+
+
+def test_combine_puts_two_single_mode_runs_side_by_side(tmp_path) -> None:
+    def doc(mode: str, tok_s: float) -> dict:
+        summary = {"ttft_attainment_pct": 99.5, "tpot_attainment_pct": 100.0,
+                   "slo_attainment_pct": 99.5, "goodput": 2.0, "output_throughput": tok_s,
+                   "failed_429": 0, "failed_503": 1, "failed_other": 0}  # fmt: skip
+        return {"command": f"run {mode}", "tenants": [{"name": "gold", "summary": summary}],
+                "totals": dict(summary), "runs": {mode: {"tenants": [{"name": "gold",
+                "summary": summary}], "totals": dict(summary)}}}  # fmt: skip
+
+    paths = []
+    for mode, tok_s in (("qos", 950.0), ("fcfs", 1000.0)):
+        path = tmp_path / f"qos_{mode}.json"
+        path.write_text(json.dumps(doc(mode, tok_s)))
+        paths.append(str(path))
+    spec = importlib.util.spec_from_file_location("combine", ROOT / "bench/qos/combine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "both.json"
+    assert module.main([*paths, "--result-json", str(out)]) == 0
+    combined = json.loads(out.read_text())
+    assert combined["output_throughput_ratio"] == pytest.approx(0.95)
+    assert list(combined["runs"]) == ["qos", "fcfs"]
