@@ -18,6 +18,7 @@ The duration is step 5's wall time: from t = 0 until the last request ended.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import resource
@@ -41,6 +42,7 @@ from sits.bench.prompts import TextPrompts, TokenIdPrompts
 from sits.bench.records import RequestRecord
 from sits.bench.workload import ScheduledRequest, TenantLoad, build_schedule
 from sits.core.errors import InvalidParameterError
+from sits.obs.gc_pauses import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -240,5 +242,11 @@ async def run_serve_benchmark(config: ServeBenchConfig) -> RunResult:
             schedule[-1].arrival_s,
         )  # fmt: skip
         result.started_at_unix_s = time.time()
-        result.duration_s = await _send_all(client, url, schedule, bodies, records, config)
+        # What exists now lives through the run: keep the collector off it, so its pauses
+        # (which stop the loop that timestamps every chunk) stay short as records grow.
+        freeze_startup_heap()
+        try:
+            result.duration_s = await _send_all(client, url, schedule, bodies, records, config)
+        finally:
+            gc.unfreeze()
     return result

@@ -39,6 +39,7 @@ from sits.config import EngineConfig
 from sits.core.errors import SitsError
 from sits.engine.async_llm import _IDLE_WAIT_S, EngineStats
 from sits.engine.driver import EngineDriver
+from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
 from sits.sched.config import TenantPolicy
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,14 @@ def run_engine_proc(
             logger.exception("engine startup failed")
         _send_quietly(out_conn, ("startup_error", pack_error(exc)))
         return
+    frozen = freeze_startup_heap()  # the engine is built: none of it is garbage
+    logger.info("froze %d startup objects out of garbage collection", frozen)
+    pauses = GcPauseMonitor(where="engine").install()
     out_conn.send(("ready", proc.info, proc.stats))
-    proc.run()
+    try:
+        proc.run()
+    finally:
+        pauses.close()
 
 
 def _send_quietly(conn: Connection, message: tuple) -> None:

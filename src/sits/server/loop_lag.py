@@ -10,7 +10,9 @@ ITL even though the engine served the request on time. `EventLoopLagMonitor` mea
 every `interval_s` it sleeps and records (actual wake-up - due time) in the histogram
 `sits:event_loop_lag_seconds`, and logs a warning (at most once per `warn_every_s`) when the
 lag passes `warn_lag_s`. `sits serve --gil-switch-interval-ms` (`apply_switch_interval`) is the
-knob that bounds the convoy.
+knob that bounds the convoy. The other stall of the whole process, the garbage collector's, is
+timed by `gc_pauses` (`sits.obs.gc_pauses`) into `sits:gc_pause_seconds` while the monitor
+runs.
 
 Invariants: the monitor never raises into the loop; a lag is >= 0 (a wake-up before the due
 time counts as 0).
@@ -28,6 +30,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 
 from sits.core.errors import InvalidParameterError
+from sits.obs.gc_pauses import GcPauseMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,17 @@ class EventLoopLagMonitor:
             registry=registry,
         ).labels(model_name)
         self._task: asyncio.Task[None] | None = None
+        gc_histogram = Histogram(
+            "sits:gc_pause_seconds",
+            "Pauses of the HTTP process's Python garbage collector (every thread stops).",
+            ["model_name", "generation"],
+            buckets=_LAG_BUCKETS_S,
+            registry=registry,
+        )
+        by_generation = [gc_histogram.labels(model_name, str(g)) for g in range(3)]
+        self.gc_pauses = GcPauseMonitor(
+            lambda generation, pause_s: by_generation[generation].observe(pause_s), where="http"
+        )
 
     def record(self, lag_s: float, now_s: float) -> None:
         """Record one sample of `lag_s` seconds taken at `now_s` (time.monotonic())."""
@@ -124,6 +138,7 @@ class EventLoopLagMonitor:
         """Start sampling (call from the running event loop)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run())
+            self.gc_pauses.install()
 
     async def _run(self) -> None:
         while True:
@@ -134,6 +149,7 @@ class EventLoopLagMonitor:
 
     async def stop(self) -> None:
         """Stop sampling."""
+        self.gc_pauses.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from sits.obs.gc_pauses import freeze_startup_heap
 from sits.server.lifecycle import ServerLifecycle
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ def run_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
         The process exit code: 0 after a signal-initiated drain, non-zero after engine death.
     """
     server = make_server(app, host, port, log_level)
+    frozen = freeze_startup_heap()  # the engine and app are built: none of it is garbage
+    logger.info("froze %d startup objects out of garbage collection", frozen)
     asyncio.run(server.serve())
     if server.drained_cleanly is False:
         logger.warning("drain timed out: open requests were cut")
