@@ -39,10 +39,49 @@ def test_step_time_model_fits_the_line_and_the_decode_average() -> None:
         StepTimeModel(alpha=0.0)
 
 
+def test_step_time_model_clips_stalls_once_it_has_samples() -> None:
+    model = StepTimeModel(alpha=0.5, outlier_factor=4.0, min_samples=2)
+    model.observe(0, 5.0)  # a cold first step (a kernel compiling): taken as it is
+    model.observe(0, 0.01)
+    assert model.decode_s == pytest.approx(2.505)
+    for _ in range(12):
+        model.observe(0, 0.01)
+    before = 0.01 + 2.495 * 0.5**12  # the cold step's share halves with each step
+    assert model.decode_s == pytest.approx(before)
+    model.observe(0, 3.0)  # a stall after 14 samples: counts as 4 x the prediction
+    assert model.decode_s == pytest.approx(0.5 * 4 * before + 0.5 * before)
+    for num_tokens in (100, 1000):
+        model.observe(num_tokens, INTERCEPT_S + SLOPE_S * num_tokens)
+    model.observe(4000, 10.0)  # clipped to 4 x the line's 0.06 s
+    assert model.num_mixed_samples == 3
+    x, y = (100 + 1000) / 2, (0.021 + 0.03) / 2  # the moments before the stall...
+    xs = 0.5 * 4000 + 0.5 * x
+    ys = 0.5 * 0.24 + 0.5 * y
+    assert model.predict(4000) > 0.06 and model._moments[1] == pytest.approx(ys)
+    assert model._moments[0] == pytest.approx(xs)
+    with pytest.raises(InvalidParameterError):
+        StepTimeModel(outlier_factor=1.0)
+    with pytest.raises(InvalidParameterError):
+        StepTimeModel(min_samples=0)
+
+
+def test_pacer_spaces_tokens_by_the_target_fraction_of_the_slo() -> None:
+    gold = make_request("g", [1, 2, 3], tenant_id="gold")
+    pacer = TpotPacer({"gold": 0.05}, 8192, model=_model())  # target_fraction 0.8: 40 ms
+    gold.append_output_token(9)
+    pacer.observe_step(100, 0.021, end_s=0.0, sampled_ids=["g"], finished_ids=[])
+    pacer.model = _model()
+    assert pacer.max_prefill_tokens(0.0, [gold]) == 2000  # (0.04 - 0.02) / 1e-5
+    with pytest.raises(InvalidParameterError):
+        TpotPacer({"gold": 0.05}, 8192, target_fraction=0.0)
+
+
 def test_pacer_budget_follows_the_tightest_token_schedule() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
     other = make_request("o", [1, 2, 3], tenant_id="free")  # no TPOT SLO: never paces
-    pacer = TpotPacer({"gold": 0.05}, max_num_batched_tokens=8192, model=_model())
+    pacer = TpotPacer(
+        {"gold": 0.05}, max_num_batched_tokens=8192, target_fraction=1.0, model=_model()
+    )
     gold.append_output_token(9)
     other.append_output_token(9)
     pacer.observe_step(100, 0.021, end_s=0.0, sampled_ids=["g", "o"], finished_ids=[])
@@ -68,7 +107,7 @@ def test_pacer_budget_follows_the_tightest_token_schedule() -> None:
 def test_pacer_leaves_out_what_it_cannot_help_and_waits_for_a_model() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
     gold.append_output_token(9)
-    tight = TpotPacer({"gold": DECODE_S}, 8192, model=_model())  # TPOT <= decode-only step
+    tight = TpotPacer({"gold": DECODE_S / 0.8}, 8192, model=_model())  # 0.8 TPOT <= decode
     tight.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
     tight.model = _model()
     assert tight.max_prefill_tokens(0.0, [gold]) is None

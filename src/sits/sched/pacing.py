@@ -3,7 +3,8 @@
 A step that batches a long prefill chunk with the running decodes delays every decode's next
 token by the whole step. Tenants with a TPOT SLO (`TenantPolicy.tpot_ms`) need the mean time
 between their output tokens to stay within it, so each decoding request r carries a token
-schedule: its n-th token after the first is due at `t_first(r) + n * tpot(r)`. Before each
+schedule: its n-th token after the first is due at `t_first(r) + n * f * tpot(r)` (f =
+`target_fraction`, 0.8: a margin for what the client waits for beyond the engine). Before each
 step, `TpotPacer.max_prefill_tokens` finds the tightest slack (due time of the next token -
 now) among running, decoding requests and returns the largest prefill budget whose predicted
 step time fits in it; decode-only steps (fast, often a CUDA graph) then bank time for the next
@@ -18,7 +19,8 @@ request's own token schedule instead of one fixed chunk.
 
 Step times come from `StepTimeModel`: an exponential moving average of decode-only steps and
 an online least-squares line (exponentially weighted means of x, y, x^2 and x*y) of mixed
-steps' seconds against their prefill tokens. Until both kinds were observed, pacing is off.
+steps' seconds against their prefill tokens; once a kind has a few samples, a step far slower
+than predicted (a one-off stall) is clipped. Until both kinds were observed, pacing is off.
 
 Invariants: `max_prefill_tokens` returns None (no limit) or an int in [0,
 max_num_batched_tokens]; it reads no clock (the caller passes the time).
@@ -39,32 +41,68 @@ class StepTimeModel:
 
     Args:
         alpha: weight of a new observation in the moving averages, in (0, 1].
+        outlier_factor: once `min_samples` steps of a kind were seen, a step this many times
+            slower than predicted counts as this many times the prediction; > 1.
+        min_samples: steps of a kind seen before its outliers are clipped (>= 1).
+
+    Attributes:
+        num_decode_samples, num_mixed_samples: steps of each kind observed.
 
     Raises:
-        InvalidParameterError: alpha outside (0, 1].
+        InvalidParameterError: alpha outside (0, 1], outlier_factor <= 1, min_samples < 1.
     """
 
-    def __init__(self, alpha: float = 0.1) -> None:
+    def __init__(
+        self, alpha: float = 0.1, outlier_factor: float = 4.0, min_samples: int = 8
+    ) -> None:
         if not 0 < alpha <= 1:
             raise InvalidParameterError("alpha", f"must be in (0, 1], got {alpha}")
+        if not outlier_factor > 1:
+            raise InvalidParameterError("outlier_factor", f"must be > 1, got {outlier_factor}")
+        if min_samples < 1:
+            raise InvalidParameterError("min_samples", f"must be >= 1, got {min_samples}")
         self.alpha = alpha
+        self.outlier_factor = outlier_factor
+        self.min_samples = min_samples
+        self.num_decode_samples = 0
+        self.num_mixed_samples = 0
         self.decode_s: float | None = None  # EMA of decode-only steps, seconds
         self._moments: list[float] | None = None  # EMAs of x, y, x*x, x*y of mixed steps
 
     def observe(self, num_prefill_tokens: int, step_s: float) -> None:
-        """Take one step: its prefill tokens (0 for a decode-only step) and wall seconds."""
+        """Take one step: its prefill tokens (0 for a decode-only step) and wall seconds.
+
+        Once `min_samples` steps of its kind were seen, a step over `outlier_factor` x the
+        prediction counts as that bound: a one-off stall (a kernel compiled for a new shape,
+        a garbage collection) moves the averages only as much as a slow step could.
+        """
         a = self.alpha
-        if num_prefill_tokens == 0:
+        is_decode = num_prefill_tokens == 0
+        seen = self.num_decode_samples if is_decode else self.num_mixed_samples
+        predicted = self._predicted(num_prefill_tokens)
+        if seen >= self.min_samples and predicted is not None and predicted > 0:
+            step_s = min(step_s, self.outlier_factor * predicted)
+        if is_decode:
+            self.num_decode_samples += 1
             self.decode_s = (
                 step_s if self.decode_s is None else a * step_s + (1 - a) * self.decode_s
             )
             return
+        self.num_mixed_samples += 1
         x = float(num_prefill_tokens)
         sample = (x, step_s, x * x, x * step_s)
         if self._moments is None:
             self._moments = list(sample)
         else:
             self._moments = [a * s + (1 - a) * m for s, m in zip(sample, self._moments)]
+
+    def _predicted(self, num_prefill_tokens: int) -> float | None:
+        if num_prefill_tokens == 0:
+            return self.decode_s
+        if self._moments is None:
+            return None
+        intercept, slope = self.mixed_line()
+        return intercept + slope * num_prefill_tokens
 
     @property
     def ready(self) -> bool:
@@ -97,13 +135,10 @@ class StepTimeModel:
         Raises:
             RuntimeError: the model is not `ready`.
         """
-        if not self.ready:
+        predicted = self._predicted(num_prefill_tokens) if self.ready else None
+        if predicted is None:
             raise RuntimeError("step time model not ready")
-        if num_prefill_tokens == 0:
-            assert self.decode_s is not None
-            return self.decode_s
-        intercept, slope = self.mixed_line()
-        return intercept + slope * num_prefill_tokens
+        return predicted
 
 
 @dataclass(slots=True)
@@ -115,16 +150,25 @@ class TpotPacer:
         max_num_batched_tokens: the step's token budget (the largest answer).
         min_chunk_tokens: a budget below this is rounded down to 0 (a tiny chunk would pay
             a mixed step's fixed cost for almost nothing).
+        target_fraction: the schedule spaces tokens by this fraction of each TPOT SLO, in
+            (0, 1]: the engine's token times exclude what the client also waits for
+            (detokenizing, the HTTP send, the network, garbage-collection pauses), so pacing
+            to the SLO itself would put half the requests over it.
         model: the step-time model, fed by the engine after each step.
     """
 
     tpot_s_by_tenant: Mapping[str, float]
     max_num_batched_tokens: int
     min_chunk_tokens: int = 16
+    target_fraction: float = 0.8
     model: StepTimeModel | None = None
     _first_token_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not 0 < self.target_fraction <= 1:
+            raise InvalidParameterError(
+                "target_fraction", f"must be in (0, 1], got {self.target_fraction}"
+            )
         if self.model is None:
             self.model = StepTimeModel()
 
@@ -174,9 +218,12 @@ class TpotPacer:
         decode_s = model.predict(0)
         slack_s = math.inf
         for request in running:
-            tpot_s = self.tpot_s_by_tenant.get(request.tenant_id)
+            slo_s = self.tpot_s_by_tenant.get(request.tenant_id)
             first_s = self._first_token_s.get(request.request_id)
-            if tpot_s is None or first_s is None or tpot_s <= decode_s:
+            if slo_s is None or first_s is None:
+                continue
+            tpot_s = slo_s * self.target_fraction
+            if tpot_s <= decode_s:
                 continue
             due_s = first_s + request.num_output_tokens * tpot_s
             if due_s < now_s - tpot_s:  # over a token late (e.g. was preempted): rebase
