@@ -8,6 +8,7 @@ Small launch blocks (16-32) make every path take several tiles and both key loop
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -215,3 +216,21 @@ def test_every_output_row_is_written_when_rows_are_covered(paged_batch, monkeypa
     config = TritonAttentionConfig(**SMALL, decode_num_splits=3)
     actual = check_against_reference(batch, config)
     assert not actual.isnan().any()
+
+
+def test_flat_prefill_tiles_are_disjoint_and_within_the_grid() -> None:
+    # The prefill kernel's flat grid: sequence s owns tiles from qsl[s] // block_q + s on; every
+    # tile of every sequence must get its own program below num_tokens // block_q + num_seqs.
+    rng = random.Random(0)
+    for _ in range(200):
+        block_q = rng.choice([1, 2, 16, 64])
+        q_lens = [rng.choice([0, 1, 2, 15, 16, 17, 100, 333]) for _ in range(rng.randint(1, 40))]
+        qsl = [0]
+        for q_len in q_lens:
+            qsl.append(qsl[-1] + q_len)
+        num_programs = qsl[-1] // block_q + len(q_lens)
+        owned = []
+        for s, q_len in enumerate(q_lens):
+            start = qsl[s] // block_q + s
+            owned += [start + t for t in range(-(-q_len // block_q))]
+        assert len(owned) == len(set(owned)) and all(0 <= t < num_programs for t in owned)

@@ -1,6 +1,6 @@
 """Triton paged attention for prefill: variable-length new tokens over a cached prefix, causal.
 
-One program owns (query tile, sequence, kv head). Its BLOCK_M rows are BLOCK_Q consecutive
+One program owns (query tile of a sequence, kv head). Its BLOCK_M rows are BLOCK_Q consecutive
 new tokens times the GROUP_P2 query heads of the kv head (token-major, head-minor; padded
 heads are masked), so one key/value tile read from the cache serves every query head of the
 group. A query at position p sees keys 0..p of its own sequence; the sequence's new tokens
@@ -8,7 +8,16 @@ are its last q_len positions (chunked prefill over a cached prefix of seq_len - 
 
 The key loop has two parts: key tiles wholly at or before the tile's first query position
 need no mask; the rest (at most about (BLOCK_Q + BLOCK_N) / BLOCK_N tiles) get the causal
-mask. Query tiles are launched last-first, so the longest programs start first.
+mask.
+
+The grid is flat over the step's query tiles, not (max tiles x sequences): sequence s owns the
+tile indices [start(s), start(s) + cdiv(q_len(s), BLOCK_Q)) with start(s) = qsl[s] // BLOCK_Q + s
+(qsl = query_start_loc). These ranges are disjoint and all lie below num_tokens // BLOCK_Q +
+num_seqs, so that many programs per kv head cover every tile, and a program finds its
+sequence by binary search over qsl. A step of one long prompt beside hundreds of decodes (or a
+mixed-step CUDA graph captured for max_num_seqs sequences) then launches about
+num_tokens / BLOCK_Q + num_seqs programs per kv head instead of max_tiles x num_seqs. Tiles
+are launched last-first, so the longest programs of a sequence start first.
 
 Invariants:
 - Sequences with no new tokens, and with SKIP_SINGLE sequences with exactly one (left to the
@@ -30,7 +39,7 @@ from torch import Tensor
 
 from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile, dot_query, paged_kv
 from sits.kernels.kv_quant_ref import QuantizedKVCache
-from sits.kernels.triton_utils import cdiv, next_power_of_2
+from sits.kernels.triton_utils import next_power_of_2
 
 
 @triton.jit
@@ -55,6 +64,8 @@ def prefill_attention_kernel(
     stride_scale_block,
     stride_scale_offset,
     stride_table_seq,
+    num_seqs,
+    search_steps,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -67,12 +78,21 @@ def prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
 ):
-    """Program (tile, seq, kv_head): causal attention of BLOCK_Q new tokens x GROUP heads."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Program (flat tile, kv_head): causal attention of BLOCK_Q new tokens x GROUP heads."""
+    flat = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The last sequence s with start(s) = qsl[s] // BLOCK_Q + s <= flat (module docstring).
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= flat, mid, lo)
+        hi = tl.where(start <= flat, hi, mid - 1)
+    seq = lo
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile = flat - (q_start // BLOCK_Q + seq)
     if tile * BLOCK_Q >= q_len:
         return
     if SKIP_SINGLE:  # noqa: SIM102 (constexpr test first: compiled out when False)
@@ -161,7 +181,7 @@ def triton_prefill_attention(
         seq_lens: [num_seqs] int32, context length after this step.
         query_start_loc: [num_seqs + 1] int32.
         scale: softmax scale.
-        max_query_len: largest new-token count (sizes the grid; no device sync).
+        max_query_len: largest new-token count (nothing to do when 0; no device sync).
         skip_single: leave sequences with exactly one new token to the decode kernel.
         block_m: rows (new tokens x padded group heads) per tile, power of two >= 16.
         block_n: key positions per tile, power of two >= 16.
@@ -174,14 +194,16 @@ def triton_prefill_attention(
     block_size, num_kv_heads = data.shape[2], data.shape[3]
     group = num_heads // num_kv_heads
     block_q = prefill_block_q(block_m, group)
-    num_tiles = cdiv(max_query_len, block_q)
-    if num_tiles == 0 or num_seqs == 0:
+    if max_query_len == 0 or num_seqs == 0:
         return
-    prefill_attention_kernel[(num_tiles, num_seqs, num_kv_heads)](
+    num_programs = query.shape[0] // block_q + num_seqs  # covers every tile (module docstring)
+    prefill_attention_kernel[(num_programs, num_kv_heads)](
         query, data, kv.scales, block_tables, seq_lens, query_start_loc, output,
         scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         *kv.strides,
         block_tables.stride(0),
+        num_seqs,
+        max(1, (num_seqs - 1).bit_length()),  # binary-search steps over query_start_loc
         GROUP=group,
         GROUP_P2=next_power_of_2(group),
         BLOCK_Q=block_q,
