@@ -11,6 +11,7 @@
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
+#   kv_ttft_graphs  the same, both arrival patterns, with --mixed-step-cuda-graphs
 #   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min); --max-num-seqs 1024
 #            so that KV capacity, not the default 256 sequence slots, bounds the batch
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
@@ -101,6 +102,11 @@ fi
 if has kv_ttft; then
   run kv_prefix_ttft python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
     --prefix-len 2000 --suffix-len 100 --num-requests 200 --result-json "$OUT_DIR/kv_prefix.json"
+fi
+if has kv_ttft_graphs; then
+  run kv_prefix_ttft_graphs python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
+    --prefix-len 2000 --suffix-len 100 --num-requests 200 --arrival both --mixed-step-cuda-graphs \
+    --result-json "$OUT_DIR/kv_prefix_graphs.json"
 fi
 if has kv_fp8; then
   for kv in auto fp8; do

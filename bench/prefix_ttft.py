@@ -143,6 +143,8 @@ def _run(
     extra = {}
     if args.max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.mixed_step_cuda_graphs:
+        extra["mixed_step_cuda_graphs"] = True
     llm = LLM(
         model=model_dir,
         load_format=args.load_format,
@@ -245,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument(
+        "--mixed-step-cuda-graphs",
+        action="store_true",
+        help="replay CUDA graphs for steps with prompt tokens too (sits serve's flag)",
+    )
     p.add_argument("--prefix-len", type=int, default=2000, help="shared system prompt tokens")
     p.add_argument("--suffix-len", type=int, default=100, help="tokens of each request's own")
     p.add_argument("--num-requests", type=int, default=200)
