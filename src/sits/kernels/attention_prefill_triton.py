@@ -42,7 +42,7 @@ from sits.kernels.kv_quant_ref import QuantizedKVCache
 from sits.kernels.triton_utils import next_power_of_2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])  # one compile for any batch
 def prefill_attention_kernel(
     query_ptr,
     cache_ptr,

@@ -9,7 +9,9 @@ engine seed (`Sampler`). It never imports the scheduler.
 On CUDA with Triton the attention (and, when available, the MoE) run as Triton kernels and a
 pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
 `enforce_eager`); with `mixed_step_cuda_graphs` a step with prompt chunks replays the graph of
-its token bucket; everything else (the CPU, and those steps by default) runs eagerly.
+its token bucket; everything else (the CPU, and those steps by default) runs eagerly. On CUDA
+the setup first runs eager dummy steps of every prefill shape class (`runner.warmup`), so no
+live step waits for a Triton compile.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from sits.runner.kv_cache_alloc import (
 )
 from sits.runner.model_info import ModelInfo
 from sits.runner.swap import HostKVTier, num_host_blocks
+from sits.runner.warmup import WarmupReport, warm_up_kernels
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState, make_generator
 
@@ -53,6 +56,8 @@ class ModelRunner:
     Args:
         config: engine configuration (dtype, device, block size, KV memory).
         info: what the engine read from the checkpoint (dtype, eos ids, context length).
+        warm_up: run the kernel warm-up (`runner.warmup`) at setup, before the CUDA graphs are
+            captured; None = only on CUDA (on the CPU nothing is compiled).
 
     Attributes:
         device, dtype: where and in which dtype the model runs.
@@ -62,9 +67,10 @@ class ModelRunner:
         kv_cache_bytes: bytes of the whole KV cache (blocks and fp8's fixed scales).
         num_host_blocks: blocks of the host tier (config.cpu_offload_gb; 0 = none).
         host_kv: the host tier's tensors, or None.
+        warmup: what the kernel warm-up ran, or None when it did not run.
     """
 
-    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, info: ModelInfo, warm_up: bool | None = None) -> None:
         self.config = config
         self.info = info
         self.device = info.device
@@ -125,7 +131,7 @@ class ModelRunner:
         if self.num_host_blocks > 0:
             self.host_kv = HostKVTier(self.kv_caches, self.num_host_blocks)
             logger.info("host KV tier: %d blocks", self.num_host_blocks)
-        self._setup_fast_path(config, arch.num_kv_heads, arch.head_dim)
+        self._setup_fast_path(config, arch.num_kv_heads, arch.head_dim, warm_up)
         # The unseeded requests' shared generator: from the engine seed, but not equal to the
         # generator of a request whose own seed is the engine seed.
         shared_seed = random.Random(f"sits-sampler-{config.seed}").getrandbits(63)
@@ -137,9 +143,12 @@ class ModelRunner:
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
 
-    def _setup_fast_path(self, config: EngineConfig, num_kv_heads: int, head_dim: int) -> None:
-        """Pick the attention backend, make the persistent input buffers and, when the model
-        and backend allow it and `enforce_eager` is off, capture the decode CUDA graphs."""
+    def _setup_fast_path(
+        self, config: EngineConfig, num_kv_heads: int, head_dim: int, warm_up: bool | None
+    ) -> None:
+        """Pick the attention backend, make the persistent input buffers, warm up the kernels
+        (`warm_up`, None = on CUDA) and, when the model and backend allow it and
+        `enforce_eager` is off, capture the decode CUDA graphs."""
         self.attn_backend = select_attention_backend(self.device, head_dim, self.kv_cache_dtype)
         self.buffers = InputBuffers(
             max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
@@ -148,6 +157,18 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        self.warmup: WarmupReport | None = None
+        if warm_up is None:
+            warm_up = self.device.type == "cuda"  # on the CPU nothing is compiled
+        if warm_up:
+            # No request owns a block yet: the dummy steps' KV writes land in free blocks.
+            self.warmup = warm_up_kernels(
+                self.model,
+                self.buffers,
+                self.kv_caches,
+                self.attn_backend,
+                max_model_len=self.info.max_model_len,
+            )
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
