@@ -95,6 +95,7 @@ def test_cuda_side_stream_orders_copies_around_the_forward() -> None:
     reference = HostKVCache(cpu_dev, NUM_HOST_BLOCKS, staged=False)
     host = HostKVCache(cuda_dev, NUM_HOST_BLOCKS)
     assert host.staged and host.blocks.is_pinned()
+    host.blocks.zero_()  # pinned blocks start uninitialised; the reference's start at zero
     for _ in range(20):
         swap_out, swap_in = _random_plan(rng)
         reference.copy_blocks(cpu_dev, swap_out, swap_in)

@@ -8,7 +8,7 @@ import gc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
+from sits.obs.gc_pauses import GcPauseMonitor, IdleFullCollections, freeze_startup_heap
 from sits.server.loop_lag import EventLoopLagMonitor
 
 
@@ -87,3 +87,33 @@ def test_loop_lag_monitor_exports_gc_pauses_while_running() -> None:
     labels = {"model_name": "m", "generation": "2"}
     assert registry.get_sample_value("sits:gc_pause_seconds_count", labels) == pytest.approx(1)
     assert monitor.gc_pauses.num_collections == 1
+
+
+def test_full_collections_wait_for_idle_moments_or_the_longest_gap() -> None:
+    now = [0.0]
+    before = gc.get_threshold()
+    full = IdleFullCollections(min_idle_interval_s=5, max_interval_s=60, clock=lambda: now[0])
+    gc.disable()  # only the collections this test runs
+    try:
+        full.install().install()
+        assert gc.get_threshold() == (before[0], before[1], IdleFullCollections.NEVER)
+        gc.collect(1)  # a younger collection: something was promoted
+        now[0] = 3.0
+        assert not full.tick(idle=True)  # idle, but within 5 s of the last
+        now[0] = 6.0
+        assert not full.tick(idle=False)  # busy
+        assert full.tick(idle=True)  # idle and due
+        assert gc.get_count()[2] == 0  # it was a full collection
+        now[0] = 20.0
+        assert not full.tick(idle=True)  # nothing promoted since
+        now[0] = 30.0
+        gc.collect(1)
+        now[0] = 65.0
+        assert not full.tick(idle=False)  # 59 s under load
+        now[0] = 66.0
+        assert full.tick(idle=False)  # 60 s: runs under load too
+        assert full.num_full_collections == 2
+    finally:
+        full.close()
+        gc.enable()
+    assert gc.get_threshold() == before

@@ -21,6 +21,7 @@ from tests.engine.hf_reference import random_prompts
 
 # Budget 64 (max_num_seqs 8 keeps InputBuffers.max_num_tokens at 64), 128-token sequences.
 ENGINE_KWARGS = {
+    "device": "cpu",  # also on the GPU machine, where the default device is CUDA
     "dtype": "float32",
     "max_model_len": 128,
     "max_num_batched_tokens": 64,

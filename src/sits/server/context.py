@@ -136,7 +136,9 @@ class ServerContext:
             isolate_prefix_cache=settings.tenants is not None,
         )
         self.overload_watcher = OverloadWatcher(engine, self.qos)
-        self.loop_lag = EventLoopLagMonitor(self.metrics.registry, self.model_name)
+        self.loop_lag = EventLoopLagMonitor(
+            self.metrics.registry, self.model_name, is_idle=lambda: lifecycle.num_admitted == 0
+        )
         self.tokenize_executor = ThreadPoolExecutor(1, thread_name_prefix="sits-tokenize")
         self.audit: ServerAudit | None = None
         if settings.audit is not None:

@@ -12,7 +12,7 @@ every `interval_s` it sleeps and records (actual wake-up - due time) in the hist
 lag passes `warn_lag_s`. `sits serve --gil-switch-interval-ms` (`apply_switch_interval`) is the
 knob that bounds the convoy. The other stall of the whole process, the garbage collector's, is
 timed by `gc_pauses` (`sits.obs.gc_pauses`) into `sits:gc_pause_seconds` while the monitor
-runs.
+runs, and its full collections wait for idle moments (`full_collections`).
 
 Invariants: the monitor never raises into the loop; a lag is >= 0 (a wake-up before the due
 time counts as 0).
@@ -26,11 +26,12 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram
 
 from sits.core.errors import InvalidParameterError
-from sits.obs.gc_pauses import GcPauseMonitor
+from sits.obs.gc_pauses import GcPauseMonitor, IdleFullCollections
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class EventLoopLagMonitor:
         interval_s: seconds between samples (> 0).
         warn_lag_s: a lag above this many seconds is logged as a warning.
         warn_every_s: at most one such warning per this many seconds.
+        is_idle: True when the server has no request in flight; while the monitor runs, full
+            garbage collections wait for such moments (`full_collections`).
 
     Attributes:
         max_lag_s: the largest lag seen so far, seconds.
@@ -89,6 +92,7 @@ class EventLoopLagMonitor:
         interval_s: float = 0.05,
         warn_lag_s: float = 0.25,
         warn_every_s: float = 10.0,
+        is_idle: Callable[[], bool] = lambda: True,
     ) -> None:
         if not interval_s > 0:
             raise InvalidParameterError("interval_s", f"must be > 0, got {interval_s}")
@@ -115,6 +119,8 @@ class EventLoopLagMonitor:
             registry=registry,
         )
         by_generation = [gc_histogram.labels(model_name, str(g)) for g in range(3)]
+        self.is_idle = is_idle
+        self.full_collections = IdleFullCollections()
         self.gc_pauses = GcPauseMonitor(
             lambda generation, pause_s: by_generation[generation].observe(pause_s), where="http"
         )
@@ -139,6 +145,7 @@ class EventLoopLagMonitor:
         if self._task is None:
             self._task = asyncio.create_task(self._run())
             self.gc_pauses.install()
+            self.full_collections.install()
 
     async def _run(self) -> None:
         while True:
@@ -146,10 +153,12 @@ class EventLoopLagMonitor:
             await asyncio.sleep(self.interval_s)
             now_s = time.monotonic()
             self.record(now_s - due_s, now_s)
+            self.full_collections.tick(self.is_idle())
 
     async def stop(self) -> None:
         """Stop sampling."""
         self.gc_pauses.close()
+        self.full_collections.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
