@@ -8,7 +8,8 @@
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
-#   targets  the issue-4 target workloads, with the transformers peer (~7 min)
+#   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
+#            adds engine flags to the offline runs (e.g. --mixed-step-cuda-graphs)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
 #   kv_ttft_graphs  the same, both arrival patterns, with --mixed-step-cuda-graphs
@@ -74,7 +75,7 @@ fi
 if has targets; then
   run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
-    --peer transformers --output-json "$OUT_DIR/target_qwen3_offline.json"
+    --peer transformers ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_qwen3_offline.json"
   run target_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
     --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
     --output-json "$OUT_DIR/target_qwen3_b10.json"
@@ -83,7 +84,7 @@ if has targets; then
     --output-json "$OUT_DIR/target_qwen3_b1.json"
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
     --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
-    --output-json "$OUT_DIR/target_llama8b.json"
+    ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_llama8b.json"
 fi
 
 if has mixed; then
