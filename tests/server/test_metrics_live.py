@@ -32,7 +32,7 @@ TENANTS = TenantsConfig(
 BATCH = (("gold", 30, 6), ("gold", 50, 8), ("gold", 70, 10), ("free", 20, 5), ("free", 41, 7))
 ALLOWED_LABELS = {
     "model_name", "tenant", "outcome", "slo", "reason", "dimension", "finished_reason", "le",
-    "layer", "expert", "tier",
+    "layer", "expert", "tier", "generation",
 }  # fmt: skip
 Series = tuple[str, tuple[tuple[str, str], ...]]
 
