@@ -16,6 +16,7 @@ from sits.engine.builder import build_engine, tenant_policies_of
 from sits.engine.core import EngineCore, WaitingLoad
 from sits.engine.requests import make_engine_requests
 from sits.sched.config import TenantPolicy, TenantTier
+from sits.sched.pacing import TpotPacer
 from sits.tenancy import TenantConfig, TenantsConfig, Tier, hash_api_key
 
 BLOCK_BYTES = 8192  # tiny llama: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 B
@@ -212,3 +213,26 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+def test_a_first_token_at_risk_lifts_tpot_pacing_for_its_prompt(
+    tiny_model_factory, monkeypatch
+) -> None:
+    policies = (
+        TenantPolicy(tenant_id="gold", tier=TenantTier.GUARANTEED, reserved_kv_fraction=0.5,
+                     ttft_ms=1000, tpot_ms=50),
+        TenantPolicy(tenant_id="bulk", tier=TenantTier.BURSTABLE, priority=1, ttft_ms=1000,
+                     tpot_ms=200),
+    )  # fmt: skip
+    core = _core(tiny_model_factory, policies)
+    # Pacing allows no prompt token at all.
+    monkeypatch.setattr(TpotPacer, "max_prefill_tokens", lambda self, now_s, running: 0)
+    now = time.monotonic()
+    _add(core, "fresh", "gold", 20, 2, arrival_s=now)  # 1 s of TTFT left: waits
+    _add(core, "late-bulk", "bulk", 20, 2, arrival_s=now - 0.9)  # at risk, but less important
+    for _ in range(3):
+        assert core.step() == []
+    _add(core, "late-gold", "gold", 30, 2, arrival_s=now - 0.6)  # 0.4 s left < half its TTFT
+    outputs = core.step()  # the rescue budget is late-gold's 30 prompt tokens
+    assert [(o.request_id, len(o.new_token_ids)) for o in outputs] == [("late-gold", 1)]
+    assert core.scheduler.get_request("fresh").num_computed_tokens == 0

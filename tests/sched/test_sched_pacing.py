@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sits.core.errors import InvalidParameterError
 from sits.sched import Scheduler
-from sits.sched.pacing import StepTimeModel, TpotPacer
+from sits.sched.config import TenantPolicy, TenantTier
+from sits.sched.pacing import StepTimeModel, TpotPacer, ttft_rescue_tenants
 from tests.sched.sched_testlib import fake_result, make_config, make_request, summary
 
 # Mixed steps cost 20 ms + 10 us per prefill token; decode-only steps 10 ms.
@@ -140,3 +143,45 @@ def test_scheduler_limits_prefill_tokens_but_not_decodes() -> None:
     scheduler.update(plan, fake_result(plan))
     plan = scheduler.schedule()  # no limit: C's remaining 3 tokens
     assert summary(plan) == [("A", 12, 1, True), ("B", 21, 1, True), ("C", 2, 3, True)]
+
+
+GOLD = TenantPolicy(tenant_id="gold", tier=TenantTier.GUARANTEED, reserved_kv_fraction=0.5,
+                    priority=0, ttft_ms=1000, tpot_ms=50)  # fmt: skip
+BURST = TenantPolicy(tenant_id="burst", tier=TenantTier.BURSTABLE, priority=1, ttft_ms=5000,
+                     tpot_ms=200)  # fmt: skip
+
+
+def test_rescue_tenants_are_those_at_least_as_important_as_the_paced() -> None:
+    assert ttft_rescue_tenants([GOLD, BURST]) == {"gold"}
+    same = dataclasses.replace(BURST, priority=0)
+    assert ttft_rescue_tenants([GOLD, same]) == {"gold", "burst"}
+    no_tpot = dataclasses.replace(GOLD, tpot_ms=None)
+    assert ttft_rescue_tenants([no_tpot, dataclasses.replace(BURST, tpot_ms=None)]) == set()
+    ttft_only = TenantPolicy(tenant_id="chat", priority=0, ttft_ms=300)
+    assert ttft_rescue_tenants([GOLD, BURST, ttft_only]) == {"gold", "chat"}
+
+
+def test_prompt_tokens_at_risk_count_waiting_and_part_prefilled_first_tokens() -> None:
+    scheduler = Scheduler(make_config(max_num_batched_tokens=16, tenants=(GOLD, BURST)))
+    # gold: TTFT 1 s, at risk once it has waited 0.5 s (TTFT_RESCUE_SLACK 0.5).
+    scheduler.add_request(make_request("g0", list(range(24)), arrival_time=0.0, tenant_id="gold"))
+    scheduler.add_request(
+        make_request("g1", list(range(100, 110)), arrival_time=0.4, tenant_id="gold")
+    )
+    scheduler.add_request(
+        make_request("b0", list(range(200, 230)), arrival_time=0.0, tenant_id="burst")
+    )
+    plan = scheduler.schedule()  # g0 gets 16 of its 24 prompt tokens (the budget)
+    assert summary(plan) == [("g0", 0, 16, False)]
+    scheduler.update(plan, fake_result(plan))
+    risk = scheduler.prompt_tokens_at_risk
+    assert risk(0.49, 0.5, {"gold"}) == 0
+    assert risk(0.5, 0.5, {"gold"}) == 8  # g0's 8 prompt tokens left (running, no token yet)
+    assert risk(0.9, 0.5, {"gold"}) == 8 + 10  # and the whole of g1 (waiting)
+    assert risk(0.9, 0.5, {"gold", "burst"}) == 18  # burst (TTFT 5 s) is not at risk yet
+    assert risk(2.5, 0.5, {"gold", "burst"}) == 18 + 30
+    assert risk(2.5, 0.5, {"nobody"}) == 0
+    plan = scheduler.schedule()  # g0's last 8 tokens and its first token; g1's first 8
+    assert summary(plan) == [("g0", 16, 8, True), ("g1", 0, 8, False)]
+    scheduler.update(plan, fake_result(plan))
+    assert risk(0.9, 0.5, {"gold"}) == 2  # g0 has its first token; g1 has 2 tokens left

@@ -32,7 +32,7 @@ from sits.core.request import FinishReason, Request
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
-from sits.sched.pacing import TpotPacer
+from sits.sched.pacing import TTFT_RESCUE_SLACK, TpotPacer, ttft_rescue_tenants
 from sits.sched.scheduler import Scheduler
 from sits.sched.tenants import TenantSchedStats
 
@@ -102,8 +102,8 @@ class EngineCore:
     Attributes:
         runner: the model runner (device state).
         scheduler: the scheduler (KV block and batch decisions).
-        pacer: TPOT pacing of prefill tokens per step, on when a tenant has a TPOT SLO
-            (`sits.sched.pacing`).
+        pacer: TPOT pacing of prefill tokens per step, on when a tenant has a TPOT SLO; first
+            tokens at risk lift it for their prompts (`sits.sched.pacing`).
         num_steps: steps run so far.
         num_prefill_tokens: prompt (or recomputed) tokens computed so far, cumulative.
         prefill_busy_s: wall seconds of the steps that computed prefill tokens, cumulative
@@ -145,6 +145,7 @@ class EngineCore:
             {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},
             config.max_num_batched_tokens,
         )
+        self._rescue_tenants = ttft_rescue_tenants(tenant_policies)
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.prefill_busy_s = 0.0
@@ -254,6 +255,12 @@ class EngineCore:
         if self.pacer.enabled:
             running = map(self.scheduler.get_request, self.scheduler.running_request_ids())
             max_prefill_tokens = self.pacer.max_prefill_tokens(start_s, running)
+            if max_prefill_tokens is not None and self._rescue_tenants:
+                at_risk = self.scheduler.prompt_tokens_at_risk(
+                    start_s, TTFT_RESCUE_SLACK, self._rescue_tenants
+                )
+                budget = self.config.max_num_batched_tokens
+                max_prefill_tokens = max(max_prefill_tokens, min(at_risk, budget))
         plan = self.scheduler.schedule(max_prefill_tokens)
         now = time.monotonic()
         for sr in plan.scheduled:

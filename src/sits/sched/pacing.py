@@ -17,6 +17,13 @@ This is SLO-aware chunk sizing in the spirit of Sarathi-Serve (Agrawal et al., "
 Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI 2024), driven by each
 request's own token schedule instead of one fixed chunk.
 
+Pacing must not starve the prompts it shares the GPU with: a TTFT miss is a whole request
+missed, while one long step moves a TPOT mean only a little. So the engine lifts the limit to
+at least the prompt tokens of requests whose first token is at risk (no token yet and at most
+`TTFT_RESCUE_SLACK` of their TTFT SLO left), for tenants at least as important as the paced
+ones (`ttft_rescue_tenants`): without it, an eager mixed step dearer than every decode's slack
+left the paced tenant's own new prompts queued for seconds (H200, bench/RESULTS.md).
+
 Step times come from `StepTimeModel`: an exponential moving average of decode-only steps and
 an online least-squares line (exponentially weighted means of x, y, x^2 and x*y) of mixed
 steps' seconds against their prefill tokens; once a kind has a few samples, a step far slower
@@ -34,6 +41,21 @@ from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
 from sits.core.request import Request
+from sits.sched.config import TenantPolicy
+
+TTFT_RESCUE_SLACK = 0.5  # a first token with half its TTFT SLO left lifts pacing for its prompt
+
+
+def ttft_rescue_tenants(policies: Iterable[TenantPolicy]) -> frozenset[str]:
+    """Tenants whose first tokens at risk override TPOT pacing (see the module docstring):
+    those with a TTFT SLO whose priority is at least as high (value as low) as the highest of
+    the tenants with a TPOT SLO. Empty when no tenant has a TPOT SLO (no pacing)."""
+    policies = tuple(policies)
+    paced = [p.priority for p in policies if p.tpot_ms]
+    if not paced:
+        return frozenset()
+    top = min(paced)
+    return frozenset(p.tenant_id for p in policies if p.ttft_ms and p.priority <= top)
 
 
 class StepTimeModel:

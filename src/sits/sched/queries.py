@@ -40,6 +40,32 @@ class SchedulerQueries:
         now, each tenant's queue front first (without tenants: the FCFS queue)."""
         return [r.request_id for t in self._book.backlogged() for r in t.queue]
 
+    def prompt_tokens_at_risk(
+        self, now_s: float, slack_fraction: float, tenant_ids: Iterable[str]
+    ) -> int:
+        """Prompt tokens still to compute of the requests of `tenant_ids` whose first token is
+        at risk: no output token yet, and at most `slack_fraction` x the tenant's TTFT SLO left
+        before arrival_time + TTFT (`now_s` on the same time.monotonic() clock). Tenants
+        without a TTFT SLO add nothing. O(those tenants' waiting requests + running)."""
+        total = 0
+        ttft_s_of = {}
+        for tenant_id in tenant_ids:
+            tenant = self._book.tenants.get(tenant_id)
+            if tenant is None or tenant.policy.ttft_ms is None:
+                continue
+            ttft_s = ttft_s_of[tenant_id] = tenant.policy.ttft_ms / 1000
+            latest_arrival_s = now_s - (1 - slack_fraction) * ttft_s
+            for request in tenant.queue:
+                if request.num_output_tokens == 0 and request.arrival_time <= latest_arrival_s:
+                    total += request.num_prompt_tokens - request.num_computed_tokens
+        for request in self._running:
+            ttft_s = ttft_s_of.get(request.tenant_id)
+            if ttft_s is None or request.num_output_tokens > 0:
+                continue
+            if request.arrival_time <= now_s - (1 - slack_fraction) * ttft_s:
+                total += max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+        return total
+
     def running_request_ids(self) -> list[str]:
         """Running request ids in running (admission) order."""
         return [r.request_id for r in self._running]
