@@ -9,10 +9,10 @@
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
-#            adds engine flags to the offline runs (e.g. --mixed-step-cuda-graphs)
+#            adds engine flags to the offline runs (e.g. --no-mixed-step-cuda-graphs)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
-#   kv_ttft_graphs  the same, both arrival patterns, with --mixed-step-cuda-graphs
+#   kv_ttft_eager  the same, both arrival patterns, with --no-mixed-step-cuda-graphs
 #   kv_fp8   fp8 vs bf16 KV throughput, 1000 x 1000/1000 (~2 x 3-4 min); --max-num-seqs 1024
 #            so that KV capacity, not the default 256 sequence slots, bounds the batch
 #   kv_host  host tier vs recompute-only preemption (burst of 2x the GPU KV capacity)
@@ -22,8 +22,8 @@
 #            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
-#   mixed    mixed-step CUDA graphs (--mixed-step-cuda-graphs, experimental): their GPU tests,
-#            then qwen3-30b-a3b offline 256 x 512/128 and 2048-token TTFT with and without
+#   mixed    mixed-step CUDA graphs (on by default): their GPU tests, then qwen3-30b-a3b
+#            offline 256 x 512/128 and 2048-token TTFT without (--no-...) and with them
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -90,8 +90,8 @@ fi
 if has mixed; then
   run mixed_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu_runner.py \
     -k mixed
-  for flag in "" --mixed-step-cuda-graphs; do
-    name=${flag:+_graphs}
+  for flag in --no-mixed-step-cuda-graphs --mixed-step-cuda-graphs; do
+    name=${flag#--no-mixed-step-cuda-graphs}; name=${name:+_graphs}
     run "mixed_offline${name:-_eager}" sits bench throughput --random-weights qwen3-30b-a3b \
       --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 $flag \
       --output-json "$OUT_DIR/mixed_offline${name:-_eager}.json"
@@ -104,10 +104,10 @@ if has kv_ttft; then
   run kv_prefix_ttft python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
     --prefix-len 2000 --suffix-len 100 --num-requests 200 --result-json "$OUT_DIR/kv_prefix.json"
 fi
-if has kv_ttft_graphs; then
-  run kv_prefix_ttft_graphs python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
-    --prefix-len 2000 --suffix-len 100 --num-requests 200 --arrival both --mixed-step-cuda-graphs \
-    --result-json "$OUT_DIR/kv_prefix_graphs.json"
+if has kv_ttft_eager; then
+  run kv_prefix_ttft_eager python3 bench/prefix_ttft.py --random-weights qwen3-30b-a3b \
+    --prefix-len 2000 --suffix-len 100 --num-requests 200 --arrival both \
+    --no-mixed-step-cuda-graphs --result-json "$OUT_DIR/kv_prefix_eager.json"
 fi
 if has kv_fp8; then
   for kv in auto fp8; do

@@ -143,8 +143,7 @@ def _run(
     extra = {}
     if args.max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.mixed_step_cuda_graphs:
-        extra["mixed_step_cuda_graphs"] = True
+    extra["mixed_step_cuda_graphs"] = args.mixed_step_cuda_graphs
     llm = LLM(
         model=model_dir,
         load_format=args.load_format,
@@ -249,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     p.add_argument(
         "--mixed-step-cuda-graphs",
-        action="store_true",
-        help="replay CUDA graphs for steps with prompt tokens too (sits serve's flag)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay CUDA graphs for steps with prompt tokens too (sits serve's flag, on)",
     )
     p.add_argument("--prefix-len", type=int, default=2000, help="shared system prompt tokens")
     p.add_argument("--suffix-len", type=int, default=100, help="tokens of each request's own")

@@ -73,9 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
     )
     parser.add_argument(
         "--mixed-step-cuda-graphs",
-        action="store_true",
-        help="experimental: also replay steps with prompt chunks from CUDA graphs captured per "
-        "token bucket (removes the kernel-launch cost of eager prefill steps)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also replay steps with prompt chunks from CUDA graphs captured per token bucket "
+        "(removes the kernel-launch cost of eager prefill steps; on by default, CUDA only)",
     )
     parser.add_argument(
         "--cpu-offload-gb",

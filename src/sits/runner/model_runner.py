@@ -8,8 +8,9 @@ engine seed (`Sampler`). It never imports the scheduler.
 
 On CUDA with Triton the attention (and, when available, the MoE) run as Triton kernels and a
 pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
-`enforce_eager`); with `mixed_step_cuda_graphs` a step with prompt chunks replays the graph of
-its token bucket; everything else (the CPU, and those steps by default) runs eagerly. On CUDA
+`enforce_eager`); with `mixed_step_cuda_graphs` (the default) a step with prompt chunks replays
+the graph of its token bucket; everything else (the CPU, steps over the largest bucket) runs
+eagerly. On CUDA
 the setup first runs eager dummy steps of every prefill shape class (`runner.warmup`), so no
 live step waits for a Triton compile.
 """
