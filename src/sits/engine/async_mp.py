@@ -8,8 +8,12 @@ and the `OutputProcessor` (detokenization), as `AsyncLLM` does, and shares its r
 the expert and prefill-chunk methods are named calls with a call id); ONE reader thread
 blocks on the child's pipe and hands outputs, failed adds and call results to the asyncio
 loop with `call_soon_threadsafe`; stats snapshots and the heartbeat are plain attribute
-writes. Request checks (prompt length, vocabulary) run in the child: their errors still reach
-`generate`'s caller before anything is yielded.
+writes. ONE writer thread sends the commands, in order, from a queue the loop fills: a pipe
+holds 64 KiB (about 16 adds of 512-token prompts) and the child reads it only between steps,
+so a send from the loop itself blocked every stream of the server until the step ended
+(measured on the CPU under a flood: 18-46 s of loop lag). Request checks (prompt length,
+vocabulary) run in the child: their errors still reach `generate`'s caller before anything
+is yielded.
 
 Failure handling: when the child dies (killed, loop exception) the reader sees the pipe close
 and every in-flight request and pending call gets `EngineDeadError` at once; `is_healthy()`
@@ -24,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -82,7 +87,8 @@ class AsyncMPLLM(RequestFrontEnd):
         self._stopping = False
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         ctx = multiprocessing.get_context("spawn")
         cmd_reader, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_writer = ctx.Pipe(duplex=False)
@@ -112,6 +118,9 @@ class AsyncMPLLM(RequestFrontEnd):
         self.max_model_len = self.info.max_model_len
         self._processor = OutputProcessor(self.tokenizer)
         self._heartbeat_s = time.monotonic()
+        self._writer = threading.Thread(target=self._write_loop, name="sits-engine-writer")
+        self._writer.daemon = True
+        self._writer.start()
         self._reader = threading.Thread(target=self._read_loop, name="sits-engine-reader")
         self._reader.daemon = True
         self._reader.start()
@@ -184,11 +193,19 @@ class AsyncMPLLM(RequestFrontEnd):
     # ---- asyncio side -------------------------------------------------------------------
 
     def _send(self, command: tuple) -> None:
-        try:
-            with self._send_lock:
+        """Queue a command for the writer thread (never blocks the caller)."""
+        self._outbox.put(command)
+
+    # ---- writer thread ------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        """Send queued commands in order until None; a closed pipe ends it quietly (the child
+        is gone: the reader thread fails everything in flight)."""
+        while (command := self._outbox.get()) is not None:
+            try:
                 self._cmd_conn.send(command)
-        except (OSError, ValueError):
-            pass  # the child is gone: the reader thread fails everything in flight
+            except (OSError, ValueError):
+                return
 
     async def _call(self, name: str, *args: int) -> Any:
         """Run the child's named call between steps and return (or raise) its result."""
@@ -297,6 +314,10 @@ class AsyncMPLLM(RequestFrontEnd):
         if proc.is_alive():
             proc.kill()
             proc.join(2.0)
+        writer = self._writer
+        if writer is not None:
+            self._outbox.put(None)
+            writer.join(2.0)
         reader = getattr(self, "_reader", None)
         if reader is not None and reader is not threading.current_thread():
             reader.join(2.0)

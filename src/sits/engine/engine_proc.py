@@ -45,6 +45,7 @@ from sits.sched.config import TenantPolicy
 logger = logging.getLogger(__name__)
 
 _STATS_PERIOD_S = 0.02
+MAX_DRAIN_S = 0.05  # longest run of command handling between two steps, seconds
 CALL_NAMES = (
     "expert_stats",
     "freeze_expert",
@@ -211,16 +212,19 @@ class _EngineProc:
             raise SystemExit(1) from None
 
     def drain(self, block: bool) -> None:
-        """Handle every queued command (waiting up to `_IDLE_WAIT_S` for one when `block`),
-        then send a fresh snapshot; a ("beat",) when the wait found none."""
+        """Handle the queued commands (waiting up to `_IDLE_WAIT_S` for one when `block`) for
+        at most `MAX_DRAIN_S`, then send a fresh snapshot; a ("beat",) when the wait found
+        none. The bound keeps a flood of commands from holding the steps (and the heartbeat
+        they carry) back: the rest waits for the next drain, one step later."""
         conn = self.cmd_conn
         if not conn.poll(_IDLE_WAIT_S if block else 0):
             if block:
                 self.out_conn.send(("beat",))
             return
+        deadline_s = time.monotonic() + MAX_DRAIN_S
         while True:
             self.handle(conn.recv())
-            if self.stopping or not conn.poll(0):
+            if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
                 break
         self.out_conn.send(("stats", self.snapshot(force=True)))
 
