@@ -88,10 +88,14 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
         clock[0] += 1 / 1024  # each command takes ~1 ms
 
     proc.handle = handle
-    proc.snapshot = lambda force: "snapshot"
+    forced: list[bool] = []
+    proc.snapshot = lambda force: forced.append(force) or "snapshot"
     proc.drain(block=False)
     assert len(handled) == 64  # stopped at the bound...
     assert proc.out_conn.messages == [("stats", "snapshot")]  # ...and reported, then steps
     proc.drain(block=False)
     assert len(handled) == 2 * 64  # the rest waits for the next drain
     assert handled == [("add", f"r{i}") for i in range(len(handled))]
+    # Between steps the per-tenant scan keeps its period; after an idle wait it is fresh.
+    proc.drain(block=True)
+    assert forced == [False, False, True]

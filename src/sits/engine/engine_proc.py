@@ -213,9 +213,12 @@ class _EngineProc:
 
     def drain(self, block: bool) -> None:
         """Handle the queued commands (waiting up to `_IDLE_WAIT_S` for one when `block`) for
-        at most `MAX_DRAIN_S`, then send a fresh snapshot; a ("beat",) when the wait found
-        none. The bound keeps a flood of commands from holding the steps (and the heartbeat
-        they carry) back: the rest waits for the next drain, one step later."""
+        at most `MAX_DRAIN_S`, then send a snapshot; a ("beat",) when the wait found none.
+        The bound keeps a flood of commands from holding the steps (and the heartbeat they
+        carry) back: the rest waits for the next drain, one step later. Between steps (not
+        `block`) the snapshot's per-tenant scan keeps its period: it is O(queued requests),
+        4 ms with 3,000 queued on our CPU, and commands arrive before nearly every step
+        under load."""
         conn = self.cmd_conn
         if not conn.poll(_IDLE_WAIT_S if block else 0):
             if block:
@@ -226,7 +229,7 @@ class _EngineProc:
             self.handle(conn.recv())
             if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
                 break
-        self.out_conn.send(("stats", self.snapshot(force=True)))
+        self.out_conn.send(("stats", self.snapshot(force=block)))
 
     def handle(self, command: tuple) -> None:
         kind = command[0]
