@@ -81,6 +81,7 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
     proc.cmd_conn = Inbox([("add", f"r{i}") for i in range(200)])
     proc.out_conn = Outbox()
     proc.stopping = False
+    proc.core = type("Core", (), {"has_unfinished_requests": lambda self: True})()
     handled: list[tuple] = []
 
     def handle(command: tuple) -> None:
@@ -99,3 +100,6 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
     # Between steps the per-tenant scan keeps its period; after an idle wait it is fresh.
     proc.drain(block=True)
     assert forced == [False, False, True]
+    proc.core = type("Core", (), {"has_unfinished_requests": lambda self: False})()
+    proc.drain(block=False)  # the commands left the engine idle: no step will refresh it
+    assert forced == [False, False, True, True]

@@ -308,7 +308,8 @@ class AsyncLLM(RequestFrontEnd):
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self._driver.snapshot(force=True)
+        # Between steps the per-tenant scan (O(queued)) keeps its period; fresh when idle.
+        self._driver.snapshot(force=block or not self.engine_core.has_unfinished_requests())
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
