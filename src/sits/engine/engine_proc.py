@@ -27,6 +27,7 @@ system-wide clock on Linux.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import signal
@@ -143,6 +144,7 @@ def run_engine_proc(
         proc.run()
     finally:
         pauses.close()
+        gc.unfreeze()  # exit with a collectable heap (extensions report frozen objects as leaks)
 
 
 def _send_quietly(conn: Connection, message: tuple) -> None:

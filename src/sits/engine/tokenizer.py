@@ -35,6 +35,7 @@ class Tokenizer:
             source = _load_hf_tokenizer(os.fspath(source))
         self._hf = source
         self._token_text_cache: dict[int, str] = {}
+        self._max_token_chars: int | None = None
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -68,6 +69,17 @@ class Tokenizer:
         The model's logits may be wider (padded embeddings); ids beyond this decode to "".
         """
         return len(self._hf)
+
+    @property
+    def max_token_chars(self) -> int:
+        """Length in characters of the longest vocabulary string (added tokens included),
+        computed once. A token never decodes to more characters than its vocabulary string
+        has (a byte-level BPE string holds one character per byte), so a text of C
+        characters takes at least C / max_token_chars tokens: a prompt can be refused as too
+        long before it is tokenized (`sits.server.params.check_text_fits`)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._hf.get_vocab()), default=1) or 1
+        return self._max_token_chars
 
     @property
     def has_chat_template(self) -> bool:

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sits.core.errors import EngineDeadError, InvalidParameterError, SitsError
+from sits.core.errors import EngineDeadError, InvalidParameterError, PromptTooLongError, SitsError
 from sits.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ def to_server_error(exc: BaseException) -> ServerError:
     """Map any exception to a `ServerError` (500 for unexpected ones, logged with traceback)."""
     if isinstance(exc, ServerError):
         return exc
+    if isinstance(exc, PromptTooLongError):  # OpenAI's code for a prompt over the context
+        return ServerError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidParameterError):
         return ServerError(400, str(exc), param=exc.param, code="invalid_value")
     if isinstance(exc, EngineDeadError):

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -102,7 +103,10 @@ def run_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
     server = make_server(app, host, port, log_level)
     frozen = freeze_startup_heap()  # the engine and app are built: none of it is garbage
     logger.info("froze %d startup objects out of garbage collection", frozen)
-    asyncio.run(server.serve())
+    try:
+        asyncio.run(server.serve())
+    finally:
+        gc.unfreeze()  # exit with a collectable heap (extensions report frozen objects as leaks)
     if server.drained_cleanly is False:
         logger.warning("drain timed out: open requests were cut")
     return server.exit_code

@@ -29,6 +29,7 @@ from sits.server.params import (
     chat_sampling_params,
     check_chat_request,
     check_max_tokens,
+    check_text_fits,
     resolve_max_tokens,
 )
 from sits.server.protocol import UsageInfo
@@ -120,8 +121,11 @@ def build_chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> EngineP
     check_max_tokens(field, requested)
     base = chat_sampling_params(req, requested)
     tokenizer = ctx.tokenizer
+    messages = template_messages(req.messages)
+    num_chars = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
+    check_text_fits("messages", num_chars, tokenizer, ctx.max_model_len)
     token_ids = tokenizer.apply_chat_template(
-        template_messages(req.messages), add_generation_prompt=req.add_generation_prompt
+        messages, add_generation_prompt=req.add_generation_prompt
     )
     token_ids = drop_double_bos(list(token_ids), tokenizer.bos_token_id)
     check_prompt_ids(token_ids, tokenizer, "messages")

@@ -28,6 +28,7 @@ from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.logprobs import CompletionLogprobsBuilder, PositionLogprobs
 from sits.server.params import (
     check_completion_request,
+    check_text_fits,
     completion_sampling_params,
     resolve_max_tokens,
 )
@@ -79,6 +80,7 @@ def build_prompts(
     for item in _split_prompts(req.prompt):
         if isinstance(item, str):
             text: str | None = item
+            check_text_fits("prompt", len(item), tokenizer, ctx.max_model_len)
             token_ids = encode_prompt(tokenizer, item, req.add_special_tokens)
         else:
             text, token_ids = None, list(item)
