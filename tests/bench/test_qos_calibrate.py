@@ -78,3 +78,14 @@ def test_combine_puts_two_single_mode_runs_side_by_side(tmp_path) -> None:
     combined = json.loads(out.read_text())
     assert combined["output_throughput_ratio"] == pytest.approx(0.95)
     assert list(combined["runs"]) == ["qos", "fcfs"]
+
+
+def test_the_cpu_qos_files_load_with_scaled_slos() -> None:
+    from sits.tenancy.loader import load_tenants
+
+    tenants = {t.id: t for t in load_tenants(ROOT / "bench/qos/cpu_tenants.toml").tenants}
+    assert (tenants["gold"].ttft_ms, tenants["gold"].tpot_ms) == (8000, 1500)
+    assert (tenants["burst"].ttft_ms, tenants["burst"].tpot_ms) == (40000, 6000)
+    mix = {t.name: t for t in load_tenants_mix(str(ROOT / "bench/qos/cpu_mix.toml"), TenantLoad())}
+    assert mix["gold"].ttft_ms == 8000 and mix["burst"].tpot_ms == 6000
+    assert mix["gold"].request_rate == pytest.approx(0.3 * 17.2, abs=0.05)
