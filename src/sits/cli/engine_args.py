@@ -75,8 +75,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "--mixed-step-cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also replay steps with prompt chunks from CUDA graphs captured per token bucket "
-        "(removes the kernel-launch cost of eager prefill steps; on by default, CUDA only)",
+        help="also replay steps that carry prompt tokens from CUDA graphs, one captured per step "
+        "size (64, 128, ... tokens up to --max-num-batched-tokens): removes the kernel-launch "
+        "cost of eager prefill steps. On by default, CUDA only; --no-mixed-step-cuda-graphs "
+        "saves their capture time and memory at startup; --enforce-eager turns all graphs off",
     )
     parser.add_argument(
         "--cpu-offload-gb",

@@ -146,15 +146,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"(default {DEFAULT_GIL_SWITCH_INTERVAL_MS}; CPython's own is 5): the engine's step "
         "thread and the HTTP loop share the GIL, and a smaller value keeps the HTTP side (and "
         "so TTFT/ITL under load) from waiting behind the engine's kernel launches; see "
-        "sits:event_loop_lag_seconds",
+        "sits:event_loop_lag_seconds. With --engine-process it only paces the server's own "
+        "threads (tokenizer, pipe reader and writer)",
     )
     p.add_argument(
         "--engine-process",
         action="store_true",
-        help="run the engine's step loop in its own process (AsyncMPLLM) instead of a thread "
-        "of the server process: keeps the HTTP event loop off the engine's GIL (no waiting "
-        "behind kernel launches; see sits:event_loop_lag_seconds), for one extra process and "
-        "a pipe hop per step (default off)",
+        help="run the engine's step loop in its own process instead of a thread of the server "
+        "process: the HTTP side then never waits behind the engine for Python's GIL. Use it on "
+        "a GPU under heavy streaming load (watch sits:event_loop_lag_seconds); costs one extra "
+        "process and a pipe hop per step (default off)",
     )
     p.add_argument(
         "--shutdown-timeout",

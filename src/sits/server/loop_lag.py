@@ -135,7 +135,7 @@ class EventLoopLagMonitor:
             self._last_warning_s = now_s
             logger.warning(
                 "event loop lag %.3f s (max so far %.3f s): the HTTP side is starved; see "
-                "--gil-switch-interval-ms",
+                "--engine-process and --gil-switch-interval-ms, and sits:gc_pause_seconds",
                 lag_s,
                 self.max_lag_s,
             )
