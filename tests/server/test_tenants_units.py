@@ -67,12 +67,14 @@ class FakeEngine:
         self.tiers_set.append(frozenset(tiers))
 
 
-def _qos(clock: FakeClock, engine: FakeEngine | None = None) -> ServerQos:
+def _qos(
+    clock: FakeClock, engine: FakeEngine | None = None, tenants: TenantsConfig = TENANTS
+) -> ServerQos:
     settings = QosSettings(
         breaker=BreakerConfig(max_consecutive_failures=1, open_s=10), clock=clock
     )
-    metrics = TenantMetrics(CollectorRegistry(), "m", TENANTS)
-    return ServerQos(engine or FakeEngine(), TENANTS, settings, metrics, isolate_prefix_cache=True)
+    metrics = TenantMetrics(CollectorRegistry(), "m", tenants)
+    return ServerQos(engine or FakeEngine(), tenants, settings, metrics, isolate_prefix_cache=True)
 
 
 def test_breaker_is_checked_first_and_a_refusal_consumes_nothing() -> None:
@@ -201,6 +203,24 @@ def test_signals_count_only_the_work_the_engine_may_start() -> None:
     assert (gold.queue_delay_s, gold.predicted_ttft_s) == (2.0, 0.3)
     unmeasured = overload_signals(stats, 100.0, None, None)
     assert (unmeasured.predicted_ttft_s, unmeasured.ttft_ratio) == (0.0, 0.0)
+
+
+def test_state_changes_warn_only_when_some_tenant_can_be_shed(caplog) -> None:
+    for tenants, level, suffix in (
+        (TENANTS, "WARNING", ""),
+        (TenantsConfig.default(), "INFO", ": every tenant is guaranteed, nothing is shed"),
+    ):
+        caplog.clear()
+        engine = FakeEngine()
+        watcher = OverloadWatcher(engine, _qos(FakeClock(100.0), engine, tenants))
+        tenant_id = tenants.tenants[0].id
+        engine.snapshot.waiting = {tenant_id: WaitingLoad(98.0, 50)}  # waited 2 s: yellow
+        with caplog.at_level("INFO", logger="sits.server.overload_watch"):
+            assert watcher.tick(now_s=100.0) is OverloadState.YELLOW
+        (record,) = caplog.records
+        assert record.levelname == level
+        assert record.getMessage().startswith("overload state green -> yellow")
+        assert record.getMessage().endswith("TTFT 0.00 s)" + suffix)
 
 
 def test_watcher_steps_up_defers_and_recovers() -> None:

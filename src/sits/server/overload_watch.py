@@ -28,6 +28,7 @@ from sits.admission import OverloadSignals, OverloadState
 from sits.core.errors import InvalidParameterError
 from sits.server.engine_client import EngineClient
 from sits.server.qos import ServerQos
+from sits.tenancy import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +146,17 @@ class OverloadWatcher:
         before = self.qos.overload_state
         state = self.qos.observe(signals)
         if state is not before:
-            logger.warning(
-                "overload state %s -> %s (queue delay %.2f s, KV %.0f %%, predicted TTFT %.2f s)",
+            # Guaranteed tenants are never shed: with no other tier the state changes nothing.
+            sheddable = any(t.tier is not Tier.GUARANTEED for t in self.qos.tenants.tenants)
+            logger.log(
+                logging.WARNING if sheddable else logging.INFO,
+                "overload state %s -> %s (queue delay %.2f s, KV %.0f %%, predicted TTFT %.2f s)%s",
                 before.value,
                 state.value,
                 signals.queue_delay_s,
                 100 * signals.kv_usage,
                 signals.predicted_ttft_s,
+                "" if sheddable else ": every tenant is guaranteed, nothing is shed",
             )
         return state
 
