@@ -42,7 +42,7 @@ from sits.core.errors import EngineDeadError, SitsError
 from sits.core.request import Request
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
-from sits.engine.driver import ALL_TIERS, EngineDriver
+from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
@@ -308,8 +308,7 @@ class AsyncLLM(RequestFrontEnd):
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        # Between steps the per-tenant scan (O(queued)) keeps its period; fresh when idle.
-        self._driver.snapshot(force=block or not self.engine_core.has_unfinished_requests())
+        self._driver.snapshot(force=force_after_commands(block, self.engine_core))
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

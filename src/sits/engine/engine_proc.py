@@ -39,7 +39,7 @@ from typing import Any
 from sits.config import EngineConfig
 from sits.core.errors import SitsError
 from sits.engine.async_llm import _IDLE_WAIT_S, EngineStats
-from sits.engine.driver import EngineDriver
+from sits.engine.driver import EngineDriver, force_after_commands
 from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
 from sits.sched.config import TenantPolicy
 
@@ -215,12 +215,9 @@ class _EngineProc:
 
     def drain(self, block: bool) -> None:
         """Handle the queued commands (waiting up to `_IDLE_WAIT_S` for one when `block`) for
-        at most `MAX_DRAIN_S`, then send a snapshot; a ("beat",) when the wait found none.
-        The bound keeps a flood of commands from holding the steps (and the heartbeat they
-        carry) back: the rest waits for the next drain, one step later. Between steps (not
-        `block`, work left) the snapshot's per-tenant scan keeps its period: it is O(queued
-        requests), 4 ms with 3,000 queued on our CPU, and commands arrive before nearly every
-        step under load. Idle, no step follows to refresh it, so it is fresh."""
+        at most `MAX_DRAIN_S`, then send a snapshot (`force_after_commands`); a ("beat",) when
+        the wait found none. The bound keeps a flood of commands from holding the steps (and
+        the heartbeat they carry) back: the rest waits for the next drain, one step later."""
         conn = self.cmd_conn
         if not conn.poll(_IDLE_WAIT_S if block else 0):
             if block:
@@ -231,8 +228,7 @@ class _EngineProc:
             self.handle(conn.recv())
             if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
                 break
-        idle = block or not self.core.has_unfinished_requests()
-        self.out_conn.send(("stats", self.snapshot(force=idle)))
+        self.out_conn.send(("stats", self.snapshot(force=force_after_commands(block, self.core))))
 
     def handle(self, command: tuple) -> None:
         kind = command[0]

@@ -1,6 +1,6 @@
 """CUDA graphs of the forward, replayed over the persistent inputs: `DecodeGraphs` (one per
-decode batch size) and `MixedGraphs` (one per token bucket, for steps with prompt chunks;
-opt-in, `EngineConfig.mixed_step_cuda_graphs`).
+decode batch size) and `MixedGraphs` (one per token bucket, for steps with prompt chunks; on
+by default, `EngineConfig.mixed_step_cuda_graphs`), both a `_GraphSet`.
 
 A decode step (every scheduled sequence has one new token) of n sequences replays the graph
 of the smallest captured batch size >= n, after `InputBuffers.prepare(plan, pad_to_seqs=size)`
@@ -81,15 +81,22 @@ def _capture(
     return _Graph(graph, hidden)
 
 
-class DecodeGraphs:
-    """Captured decode graphs of one model over one set of input buffers and KV caches.
+class _GraphSet:
+    """Graphs of one model over one set of input buffers and KV caches, one per size (batch
+    size or token bucket): captured largest first in one memory pool, looked up by the smallest
+    size >= n, replayed on the buffers' current contents.
 
     Args:
         model: the decoder (forward(input_ids, positions, ctx) -> [T, hidden]).
         buffers: the persistent inputs the graphs read.
         kv_caches: one KV cache per layer (the graphs write the step's K/V into them).
         num_kv_heads, head_dim: attention shape (split counts and kernel defaults).
+
+    Attributes:
+        num_replays: replays so far (steps served by these graphs).
     """
+
+    kind = "CUDA"  # named in the capture log line
 
     def __init__(
         self,
@@ -104,8 +111,63 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.num_replays = 0
         self._graphs: dict[int, _Graph] = {}
         self._sizes: list[int] = []
+
+    def _padded(self, n: int) -> int | None:
+        return _smallest_at_least(self._sizes, n)
+
+    def _inputs_and_attention(self, size: int) -> tuple[StepInputs, object]:
+        """The padding inputs and the attention backend the graph of `size` is captured with."""
+        raise NotImplementedError
+
+    def _splits(self, num_seqs: int) -> int:
+        from sits.kernels.attention_triton import TritonAttentionConfig
+
+        defaults = TritonAttentionConfig.for_head_dim(self.head_dim)
+        return decode_splits_for(
+            num_seqs, self.num_kv_heads, defaults.decode_target_programs,
+            defaults.decode_max_splits,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> float:
+        """Capture one graph per size, largest first, in one memory pool.
+
+        Returns:
+            Seconds the capture took.
+        """
+        start = time.perf_counter()
+        pool = None
+        for size in sorted(sizes, reverse=True):
+            inputs, attention = self._inputs_and_attention(size)
+            self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
+            pool = self._graphs[size].graph.pool()
+        torch.cuda.synchronize()
+        self._sizes = sorted(self._graphs)
+        elapsed = time.perf_counter() - start
+        logger.info("captured %d %s graphs in %.1f s", len(self._sizes), self.kind, elapsed)
+        return elapsed
+
+    def replay(self, size: int) -> Tensor:
+        """Run the graph of `size` (a captured size) on the buffers' current contents.
+
+        Returns:
+            [size or its tokens, hidden_size] hidden states (the graph's static output: read
+            before the next replay).
+        """
+        entry = self._graphs[size]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.hidden
+
+
+class DecodeGraphs(_GraphSet):
+    """Captured decode graphs, one per batch size (see the module docstring); `capture` takes
+    the batch sizes, `replay` a captured batch size. Args as `_GraphSet`."""
+
+    kind = "decode CUDA"
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -114,45 +176,16 @@ class DecodeGraphs:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """Smallest captured batch size >= num_seqs, or None (run eagerly)."""
-        return _smallest_at_least(self._sizes, num_seqs)
+        return self._padded(num_seqs)
 
-    @torch.inference_mode()
-    def capture(self, batch_sizes: list[int]) -> float:
-        """Capture one graph per batch size, largest first, in one memory pool.
-
-        Returns:
-            Seconds the capture took.
-        """
+    def _inputs_and_attention(self, size: int) -> tuple[StepInputs, object]:
         from sits.kernels.attention_triton import TritonAttentionConfig, TritonPagedAttention
 
-        start = time.perf_counter()
-        pool = None
-        for size in sorted(batch_sizes, reverse=True):
-            defaults = TritonAttentionConfig.for_head_dim(self.head_dim)
-            splits = decode_splits_for(
-                size, self.num_kv_heads, defaults.decode_target_programs, defaults.decode_max_splits
-            )
-            config = TritonAttentionConfig.for_head_dim(self.head_dim, decode_num_splits=splits)
-            inputs = self.buffers.prepare_padding(size)  # null block, no KV write, not counted
-            attention = TritonPagedAttention(config)
-            self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
-            pool = self._graphs[size].graph.pool()
-        torch.cuda.synchronize()
-        self._sizes = sorted(self._graphs)
-        elapsed = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs in %.1f s", len(self._sizes), elapsed)
-        return elapsed
-
-    def replay(self, batch_size: int) -> Tensor:
-        """Run the graph of `batch_size` on the buffers' current contents.
-
-        Returns:
-            [batch_size, hidden_size] hidden states (the graph's static output: read before
-            the next replay).
-        """
-        entry = self._graphs[batch_size]
-        entry.graph.replay()
-        return entry.hidden
+        config = TritonAttentionConfig.for_head_dim(
+            self.head_dim, decode_num_splits=self._splits(size)
+        )
+        inputs = self.buffers.prepare_padding(size)  # null block, no KV write, not counted
+        return inputs, TritonPagedAttention(config)
 
 
 def mixed_token_buckets(max_num_tokens: int, smallest: int = 64) -> list[int]:
@@ -166,7 +199,7 @@ def mixed_token_buckets(max_num_tokens: int, smallest: int = 64) -> list[int]:
     return sorted(buckets)
 
 
-class MixedGraphs:
+class MixedGraphs(_GraphSet):
     """CUDA graphs of whole steps with prompt chunks (mixed or prefill), one per token bucket.
 
     A step of n tokens in s <= max_num_seqs sequences replays the graph of the smallest bucket
@@ -175,14 +208,14 @@ class MixedGraphs:
     padding sequences have no new tokens. Attention runs in graph mode
     (`TritonAttentionConfig.fixed_max_query_len` = the bucket): both kernels launch over all
     max_num_seqs sequences with grids that depend on shapes only, and skip what is empty.
+    `capture` takes the token buckets, `replay` a captured bucket.
 
     Args:
-        model, buffers, kv_caches, num_kv_heads, head_dim: as `DecodeGraphs`.
+        model, buffers, kv_caches, num_kv_heads, head_dim: as `_GraphSet`.
         max_num_seqs: sequences every graph is captured for.
-
-    Attributes:
-        num_replays: replays so far (steps served by these graphs).
     """
+
+    kind = "mixed-step CUDA"
 
     def __init__(
         self,
@@ -193,15 +226,8 @@ class MixedGraphs:
         head_dim: int,
         max_num_seqs: int,
     ) -> None:
-        self.model = model
-        self.buffers = buffers
-        self.kv_caches = kv_caches
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        super().__init__(model, buffers, kv_caches, num_kv_heads, head_dim)
         self.max_num_seqs = max_num_seqs
-        self.num_replays = 0
-        self._graphs: dict[int, _Graph] = {}
-        self._sizes: list[int] = []
 
     @property
     def token_buckets(self) -> list[int]:
@@ -210,48 +236,15 @@ class MixedGraphs:
 
     def padded_tokens(self, num_tokens: int) -> int | None:
         """Smallest captured bucket >= num_tokens, or None (run eagerly)."""
-        return _smallest_at_least(self._sizes, num_tokens)
+        return self._padded(num_tokens)
 
-    @torch.inference_mode()
-    def capture(self, token_buckets: list[int]) -> float:
-        """Capture one graph per token bucket, largest first, in one memory pool.
-
-        Returns:
-            Seconds the capture took.
-        """
+    def _inputs_and_attention(self, size: int) -> tuple[StepInputs, object]:
         from sits.kernels.attention_triton import TritonAttentionConfig, TritonPagedAttention
 
-        start = time.perf_counter()
-        pool = None
-        defaults = TritonAttentionConfig.for_head_dim(self.head_dim)
-        splits = decode_splits_for(
-            self.max_num_seqs,
-            self.num_kv_heads,
-            defaults.decode_target_programs,
-            defaults.decode_max_splits,
+        config = TritonAttentionConfig.for_head_dim(
+            self.head_dim,
+            decode_num_splits=self._splits(self.max_num_seqs),
+            fixed_max_query_len=size,
         )
-        for size in sorted(token_buckets, reverse=True):
-            config = TritonAttentionConfig.for_head_dim(
-                self.head_dim, decode_num_splits=splits, fixed_max_query_len=size
-            )
-            inputs = self.buffers.prepare_token_padding(size, self.max_num_seqs)
-            attention = TritonPagedAttention(config)
-            self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
-            pool = self._graphs[size].graph.pool()
-        torch.cuda.synchronize()
-        self._sizes = sorted(self._graphs)
-        elapsed = time.perf_counter() - start
-        logger.info("captured %d mixed-step CUDA graphs in %.1f s", len(self._sizes), elapsed)
-        return elapsed
-
-    def replay(self, num_tokens: int) -> Tensor:
-        """Run the graph of bucket `num_tokens` on the buffers' current contents.
-
-        Returns:
-            [num_tokens, hidden_size] hidden states (static output: read before the next
-            replay).
-        """
-        entry = self._graphs[num_tokens]
-        entry.graph.replay()
-        self.num_replays += 1
-        return entry.hidden
+        inputs = self.buffers.prepare_token_padding(size, self.max_num_seqs)
+        return inputs, TritonPagedAttention(config)

@@ -228,24 +228,11 @@ class InputBuffers:
         self._copy(padded_tokens, padded_seqs, tables.shape[1])
         views = self.view(padded_seqs, padded_tokens)
         qsl_cpu = qsl[: num_seqs + 1].tolist()
-        metadata = AttentionMetadata(
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            slot_mapping=views.slot_mapping,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-        )
-        return StepInputs(
-            input_ids=views.input_ids,
-            positions=views.positions,
-            metadata=metadata,
+        return self._inputs(
+            views, qsl_cpu, seq_lens.tolist(), max_query_len, int(seq_lens.max()),
             last_token_indices=[end - 1 for end in qsl_cpu[1:]],
-            token_mask=None if padded_tokens == num_tokens else views.token_mask,
-        )
+            token_mask=padded_tokens != num_tokens,
+        )  # fmt: skip
 
     def prepare_padding(self, num_seqs: int) -> StepInputs:
         """Fill the first `num_seqs` rows with padding sequences only (what a decode graph is
@@ -257,33 +244,14 @@ class InputBuffers:
         """
         if self._copied is not None:
             self._copied.synchronize()
-        width = 1
-        if self.device.type == "cpu":
-            self._np["block_tables"][:num_seqs, 0] = 0
-        else:
-            self._np["block_tables_stage"][:num_seqs] = 0  # [num_seqs, 1]: the null block
+        self._null_block_tables(num_seqs)
         self._np["query_start_loc"][0] = 0
         self._write_padding(0, num_seqs, 0)
-        self._copy(num_seqs, num_seqs, width)
-        views = self.view(num_seqs)
-        metadata = AttentionMetadata(
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            slot_mapping=views.slot_mapping,
-            query_start_loc_cpu=list(range(num_seqs + 1)),
-            seq_lens_cpu=[1] * num_seqs,
-            max_query_len=1,
-            max_seq_len=1,
-            block_size=self.block_size,
-        )
-        return StepInputs(
-            input_ids=views.input_ids,
-            positions=views.positions,
-            metadata=metadata,
-            last_token_indices=list(range(num_seqs)),
-            token_mask=views.token_mask,
-        )
+        self._copy(num_seqs, num_seqs, 1)
+        return self._inputs(
+            self.view(num_seqs), list(range(num_seqs + 1)), [1] * num_seqs, 1, 1,
+            last_token_indices=list(range(num_seqs)), token_mask=True,
+        )  # fmt: skip
 
     def prepare_token_padding(self, num_tokens: int, num_seqs: int) -> StepInputs:
         """Fill `num_tokens` padding tokens and `num_seqs` empty sequences (what a mixed-step
@@ -298,29 +266,50 @@ class InputBuffers:
             self._copied.synchronize()
         self._np["query_start_loc"][0] = 0
         self._write_token_padding(0, num_seqs, 0, num_tokens)
+        self._null_block_tables(num_seqs)
+        self._copy(num_tokens, num_seqs, 1)
+        return self._inputs(
+            self.view(num_seqs, num_tokens), [0], [], 0, 0, last_token_indices=[],
+            token_mask=True,
+        )  # fmt: skip
+
+    def _null_block_tables(self, num_seqs: int) -> None:
+        """Point the first `num_seqs` rows' block tables at the null block (width 1)."""
         if self.device.type == "cpu":
             self._np["block_tables"][:num_seqs, 0] = 0
         else:
             self._np["block_tables_stage"][:num_seqs] = 0  # [num_seqs, 1]: the null block
-        self._copy(num_tokens, num_seqs, 1)
-        views = self.view(num_seqs, num_tokens)
+
+    def _inputs(
+        self,
+        views: BufferViews,
+        query_start_loc_cpu: list[int],
+        seq_lens_cpu: list[int],
+        max_query_len: int,
+        max_seq_len: int,
+        *,
+        last_token_indices: list[int],
+        token_mask: bool,
+    ) -> StepInputs:
+        """The StepInputs over `views` with these CPU fields; `token_mask`: pass the views'
+        mask (the step has padding tokens) rather than None."""
         metadata = AttentionMetadata(
             query_start_loc=views.query_start_loc,
             seq_lens=views.seq_lens,
             block_tables=views.block_tables,
             slot_mapping=views.slot_mapping,
-            query_start_loc_cpu=[0],
-            seq_lens_cpu=[],
-            max_query_len=0,
-            max_seq_len=0,
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             block_size=self.block_size,
         )
         return StepInputs(
             input_ids=views.input_ids,
             positions=views.positions,
             metadata=metadata,
-            last_token_indices=[],
-            token_mask=views.token_mask,
+            last_token_indices=last_token_indices,
+            token_mask=views.token_mask if token_mask else None,
         )
 
     def _write_padding(self, num_seqs: int, padded_seqs: int, num_tokens: int) -> None:

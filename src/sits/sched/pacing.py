@@ -101,9 +101,10 @@ class StepTimeModel:
         a = self.alpha
         is_decode = num_prefill_tokens == 0
         seen = self.num_decode_samples if is_decode else self.num_mixed_samples
-        predicted = self._predicted(num_prefill_tokens)
-        if seen >= self.min_samples and predicted is not None and predicted > 0:
-            step_s = min(step_s, self.outlier_factor * predicted)
+        if seen >= self.min_samples:  # then the kind has a prediction
+            predicted = self._predicted(num_prefill_tokens)
+            if predicted is not None and predicted > 0:
+                step_s = min(step_s, self.outlier_factor * predicted)
         if is_decode:
             self.num_decode_samples += 1
             self.decode_s = (
