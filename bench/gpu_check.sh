@@ -19,9 +19,13 @@
 #   qos      the issue-6 target's QoS half: guaranteed + 3x burstable flood (needs the
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
 #            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
-#            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's)
+#            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's);
+#            QOS_SERVE_ARGS adds server flags (both halves)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
+#   steps    step cost by shape (bench/step_costs.py): wall and runner ms of steps grouped by
+#            decoding sequences and prefill tokens, 1024 x 512/128 offline FCFS, budgets 2048
+#            and 8192 tokens (the data TPOT pacing works with)
 #   mixed    mixed-step CUDA graphs (on by default): their GPU tests, then qwen3-30b-a3b
 #            offline 256 x 512/128 and 2048-token TTFT without (--no-...) and with them
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
@@ -54,6 +58,12 @@ if has tests; then
     tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py \
     tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py \
     tests/engine/test_expert_spares_gpu.py
+fi
+if has steps; then
+  for budget in 2048 8192; do
+    run "step_costs_$budget" python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
+      --num-prompts 1024 --input-len 512 --output-len 128 --max-num-batched-tokens "$budget"
+  done
 fi
 if has profile; then
   run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
@@ -146,6 +156,7 @@ if has loop; then
 fi
 if has qos || has qos_fcfs; then
   [[ -n "${ENGINE_PROCESS:-}" ]] && serve_args="$serve_args --engine-process"
+  serve_args="$serve_args ${QOS_SERVE_ARGS:-}"
   if [[ -n "${QOS_CAPACITY:-}" ]]; then  # a capacity (req/s) measured before: no capacity run
     echo "{\"runs\": {\"fcfs\": {\"totals\": {\"request_throughput\": $QOS_CAPACITY}}}}" \
       >"$OUT_DIR/qos_capacity.json"

@@ -16,7 +16,7 @@ from sits.bench.client import (
     COMPLETIONS,
     HTTP_LOGGERS,
     build_body,
-    chunk_text,
+    is_token_chunk,
     make_client,
     send_streaming,
 )
@@ -63,25 +63,30 @@ def test_stream_timings_and_usage_counts() -> None:
     }  # fmt: skip
     assert seen["auth"] == "Bearer sk-x"
     assert (record.ok, record.status, record.error) == (True, 200, None)
-    # Three content chunks (the empty one is not content); tokens from the usage chunk.
-    assert (record.num_chunks, len(record.itl_s), record.output_tokens) == (3, 2, 4)
+    # Four token chunks (one token decoded to ""); tokens from the usage chunk.
+    assert (record.num_chunks, len(record.itl_s), record.output_tokens) == (4, 3, 4)
     assert record.prompt_tokens == 3
     assert 0 <= record.ttft_s <= record.e2e_s
     assert record.ttft_s + sum(record.itl_s) <= record.e2e_s
 
 
-def test_without_usage_the_content_chunks_are_counted() -> None:
-    body = _sse(_text("a"), _text("b"), "[DONE]")
+def test_without_usage_the_token_chunks_are_counted() -> None:
+    # The middle token decodes to "": it still arrived (TTFT/ITL count it, as vLLM's client).
+    body = _sse(_text("a"), _text(""), _text("b"), "[DONE]")
     record, _ = _run(lambda req: httpx.Response(200, content=body))
-    assert (record.ok, record.output_tokens, record.prompt_tokens) == (True, 2, None)
+    assert (record.ok, record.output_tokens, record.prompt_tokens) == (True, 3, None)
+    assert len(record.itl_s) == 2
 
 
 def test_chat_chunks_skip_the_role_delta() -> None:
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     word = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
     think = {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}
-    assert (chunk_text(role), chunk_text(word), chunk_text(think)) == ("", "hi", "hm")
-    assert chunk_text({"choices": [], "usage": {"completion_tokens": 1}}) == ""
+    empty = {"choices": [{"index": 0, "delta": {"content": ""}}]}  # a token without text
+    usage = {"choices": [], "usage": {"completion_tokens": 1}}
+    assert [is_token_chunk(c) for c in (role, word, think, empty, usage)] == [
+        False, True, True, True, False
+    ]  # fmt: skip
     body = build_body(CHAT_COMPLETIONS, "m", "hello", 2, stream_usage=False)
     assert body == {"model": "m", "max_tokens": 2, "temperature": 0.0, "stream": True,
                     "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip

@@ -2,12 +2,13 @@
 
 Works against any OpenAI-compatible server (sits, vLLM, ...): it sends `stream: true` with
 `stream_options.include_usage` (optional) and reads server-sent events (`data: {json}` lines up
-to `data: [DONE]`). A content chunk is one with non-empty `choices[0].text` (completions) or
-`choices[0].delta.content` / `reasoning_content` (chat); role-only and usage-only chunks carry
-no content. Timing, on `time.perf_counter`:
-- TTFT: send -> first content chunk; ITL: each gap between consecutive content chunks;
+to `data: [DONE]`). A token chunk is one with choices, as vLLM's benchmark counts them: its
+text may be "" (a special token, a partial character: servers such as vLLM and sits still
+send a chunk for it); a chat chunk whose delta carries only the role, and a usage-only chunk
+(no choices), are not token chunks. Timing, on `time.perf_counter`:
+- TTFT: send -> first token chunk; ITL: each gap between consecutive token chunks;
 - E2E: send -> end of stream (`[DONE]`), or -> the failure;
-- output tokens: `usage.completion_tokens` of the last usage seen, else the content chunks.
+- output tokens: `usage.completion_tokens` of the last usage seen, else the token chunks.
 Any failure (HTTP status != 200, an error event in the stream, a stream cut before `[DONE]`,
 a connection error or timeout, unparsable data) is recorded in the `RequestRecord`, never
 raised: one bad request must not end a run.
@@ -109,19 +110,13 @@ def error_message(raw: bytes) -> str:
     return text[:_MAX_ERROR_CHARS]
 
 
-def chunk_text(payload: dict[str, Any]) -> str:
-    """The content of a streamed chunk (completions or chat); "" for role or usage chunks."""
-    parts: list[str] = []
+def is_token_chunk(payload: dict[str, Any]) -> bool:
+    """True for a streamed chunk that carries generated tokens (see the module docstring)."""
     for choice in payload.get("choices") or ():
-        text = choice.get("text")
-        if text:
-            parts.append(text)
         delta = choice.get("delta")
-        if isinstance(delta, dict):
-            for key in ("content", "reasoning_content"):
-                if delta.get(key):
-                    parts.append(delta[key])
-    return "".join(parts)
+        if not isinstance(delta, dict) or "role" not in delta or delta.get("content"):
+            return True
+    return False
 
 
 def _apply_usage(record: RequestRecord, payload: dict[str, Any]) -> bool:
@@ -153,7 +148,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
             record.error = error_message(data.encode())
             return False
         have_usage = _apply_usage(record, payload) or have_usage
-        if chunk_text(payload):
+        if is_token_chunk(payload):
             now = time.perf_counter()
             if last_s is None:
                 record.ttft_s = now - t0

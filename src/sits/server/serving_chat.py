@@ -212,16 +212,18 @@ class _ChatRenderer:
                     yield self._chunk([ChatStreamChoice(index=index, delta=role)], role_usage)
             for delta in output.outputs:
                 completion_counts[delta.index] += len(delta.token_ids)
-                # Tokens whose text is held back (a partial character or stop-string prefix)
-                # make no chunk unless their logprobs were asked for.
-                wanted = (
-                    delta.text or delta.finish_reason or (self.req.logprobs and delta.token_ids)
-                )
-                if not wanted:
+                # Every step that generated tokens makes a chunk, as in vLLM: tokens whose text
+                # is held back (a partial character, a stop-string prefix) or decodes to ""
+                # send `content: ""`, so a client sees each token arrive (TTFT, ITL).
+                if not (delta.text or delta.finish_reason or delta.token_ids):
                     continue
                 choice = ChatStreamChoice(
                     index=delta.index,
-                    delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+                    delta=(
+                        DeltaMessage(content=delta.text)
+                        if delta.text or delta.token_ids
+                        else DeltaMessage()
+                    ),
                     logprobs=self._logprobs(list(delta.token_ids), delta.logprobs),
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,

@@ -176,7 +176,6 @@ class _CompletionRenderer:
         builders: dict[int, CompletionLogprobsBuilder | None] = {}
         prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
         cached: dict[int, int] = {}
-        builder_wanted = self.req.logprobs is not None
 
         def usage() -> UsageInfo:
             num_cached = sum(cached.values()) if self.with_details else None
@@ -200,8 +199,9 @@ class _CompletionRenderer:
                     entries = self._prompt_entries(p_index, prompt_logprobs.get(p_index)) + entries
                     token_ids = self.prompts[p_index].token_ids + token_ids
                 completion_counts[choice] += len(delta.token_ids)
-                wanted = text or delta.finish_reason or (builder_wanted and token_ids)
-                if not wanted:
+                # Every step that generated tokens makes a chunk, as in vLLM, even when their
+                # text is held back or decodes to "": a client sees each token arrive.
+                if not (text or delta.finish_reason or token_ids):
                     continue
                 builder = builders[choice]
                 chunk = CompletionStreamResponse(

@@ -1,0 +1,115 @@
+"""What an engine step costs by its shape: wall time of `EngineCore.step()` and of the model
+runner inside it, grouped by (decoding sequences, prefill tokens), over an offline FCFS run
+that keeps `max_num_seqs` sequences busy (like a server under a flood).
+
+This is the data TPOT pacing works with (`sits.sched.pacing`): how much a step's prefill
+chunk adds to a decode batch's step, and how much of a step is host work around the runner.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=src python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
+        --num-prompts 1024 --input-len 512 --output-len 128
+
+Prints a table: decoding sequences (bucket), prefill tokens (bucket), steps, mean step ms,
+mean runner ms, mean host ms (step - runner); then the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+
+def _bucket(value: int, width: int) -> int:
+    return (value // width) * width
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sits import LLM
+    from sits.bench.offline_common import random_prompts
+    from sits.bench.shapes import write_shape_dir
+    from sits.core.sampling_params import SamplingParams
+    from sits.engine.requests import make_engine_requests
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--random-weights", default="qwen3-30b-a3b")
+    p.add_argument("--model", default=None, help="a model dir instead of --random-weights")
+    p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seq-bucket", type=int, default=64)
+    p.add_argument("--token-bucket", type=int, default=512)
+    args = p.parse_args(argv)
+    print("Command:", " ".join(sys.argv))
+    model = args.model or write_shape_dir(args.random_weights)
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len + args.output_len,
+    )
+    core = llm.engine_core
+    runner = core.runner
+    runner_s: list[float] = []
+    run = runner.run
+
+    def timed_run(plan):
+        t0 = time.perf_counter()
+        result = run(plan)
+        runner_s.append(time.perf_counter() - t0)
+        return result
+
+    runner.run = timed_run  # this script's own engine: nothing else sees the wrapper
+    vocab = runner.model.config.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    for i, ids in enumerate(random_prompts(args.num_prompts, args.input_len, vocab, seed=0)):
+        for child in make_engine_requests(
+            f"r{i}",
+            ids,
+            params,
+            eos_token_ids=(),
+            max_model_len=args.input_len + args.output_len,
+            enable_prefix_caching=False,
+        ):
+            core.add_request(child)
+    groups: dict[tuple[int, int], list[tuple[float, float]]] = collections.defaultdict(list)
+    start = time.perf_counter()
+    num_output = 0
+    while core.has_unfinished_requests():
+        sched = core.scheduler
+        before = {rid: sched.get_request(rid) for rid in sched.running_request_ids()}
+        decoding = sum(1 for r in before.values() if r is not None and r.num_output_tokens > 0)
+        prefill_before = core.num_prefill_tokens
+        t0 = time.perf_counter()
+        outputs = core.step()
+        step_s = time.perf_counter() - t0
+        num_output += sum(len(o.new_token_ids) for o in outputs)
+        prefill = core.num_prefill_tokens - prefill_before
+        key = (_bucket(decoding, args.seq_bucket), _bucket(prefill, args.token_bucket))
+        groups[key].append((step_s, runner_s[-1] if runner_s else 0.0))
+    wall_s = time.perf_counter() - start
+    print("\n| decoding seqs | prefill tokens | steps | step ms | runner ms | host ms |")
+    print("|---|---|---|---|---|---|")
+    for (seqs, tokens), rows in sorted(groups.items()):
+        step_ms = 1e3 * sum(r[0] for r in rows) / len(rows)
+        run_ms = 1e3 * sum(r[1] for r in rows) / len(rows)
+        print(
+            f"| {seqs}-{seqs + args.seq_bucket - 1} | {tokens}-{tokens + args.token_bucket - 1} "
+            f"| {len(rows)} | {step_ms:.2f} | {run_ms:.2f} | {step_ms - run_ms:.2f} |"
+        )
+    print(
+        f"\n{core.num_steps} steps, {num_output} output tokens in {wall_s:.2f} s: "
+        f"{num_output / wall_s:.1f} output tok/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
