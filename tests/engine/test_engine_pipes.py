@@ -89,10 +89,13 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
         clock[0] += 1 / 1024  # each command takes ~1 ms
 
     proc.handle = handle
+    timed: list[tuple[str, float]] = []
+    proc.profile = type("Profile", (), {"add": lambda self, *phase_s: timed.append(phase_s)})()
     forced: list[bool] = []
     proc.snapshot = lambda force: forced.append(force) or "snapshot"
     proc.drain(block=False)
     assert len(handled) == 64  # stopped at the bound...
+    assert timed == [("commands", 64 / 1024)]  # the loop profile got the drain's time
     assert proc.out_conn.messages == [("stats", "snapshot")]  # ...and reported, then steps
     proc.drain(block=False)
     assert len(handled) == 2 * 64  # the rest waits for the next drain

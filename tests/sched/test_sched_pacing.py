@@ -70,11 +70,11 @@ def test_step_time_model_clips_stalls_once_it_has_samples() -> None:
 
 def test_pacer_spaces_tokens_by_the_target_fraction_of_the_slo() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
-    pacer = TpotPacer({"gold": 0.05}, 8192, model=_model())  # target_fraction 0.8: 40 ms
+    pacer = TpotPacer({"gold": 0.05}, 8192, model=_model())  # target_fraction 0.9: 45 ms
     gold.append_output_token(9)
     pacer.observe_step(100, 0.021, end_s=0.0, sampled_ids=["g"], finished_ids=[])
     pacer.model = _model()
-    assert pacer.max_prefill_tokens(0.0, [gold]) == 2000  # (0.04 - 0.02) / 1e-5
+    assert pacer.max_prefill_tokens(0.0, [gold]) == 2500  # (0.045 - 0.02) / 1e-5
     with pytest.raises(InvalidParameterError):
         TpotPacer({"gold": 0.05}, 8192, target_fraction=0.0)
 
@@ -110,7 +110,7 @@ def test_pacer_budget_follows_the_tightest_token_schedule() -> None:
 def test_pacer_leaves_out_what_it_cannot_help_and_waits_for_a_model() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
     gold.append_output_token(9)
-    tight = TpotPacer({"gold": DECODE_S / 0.8}, 8192, model=_model())  # 0.8 TPOT <= decode
+    tight = TpotPacer({"gold": DECODE_S / 0.9}, 8192, model=_model())  # 0.9 TPOT <= decode
     tight.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
     tight.model = _model()
     assert tight.max_prefill_tokens(0.0, [gold]) is None

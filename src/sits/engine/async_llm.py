@@ -44,6 +44,7 @@ from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
 from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
+from sits.engine.loop_profile import LoopProfile
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
@@ -167,6 +168,7 @@ class AsyncLLM(RequestFrontEnd):
         self._driver = EngineDriver(
             parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
         )
+        self._profile = LoopProfile(parts.core)
         self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
         self._thread.start()
 
@@ -280,6 +282,7 @@ class AsyncLLM(RequestFrontEnd):
     def _engine_loop(self) -> None:
         core = self.engine_core
         driver = self._driver
+        profile = self._profile
         stalled = False
         try:
             while not self._stopping:
@@ -287,10 +290,17 @@ class AsyncLLM(RequestFrontEnd):
                 self._drain_inbox(block=stalled or not core.has_unfinished_requests())
                 if self._stopping or not core.has_unfinished_requests():
                     continue
+                step_start_s = time.monotonic()
                 outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
+                stats_start_s = time.monotonic()
                 driver.snapshot(force=stalled or not core.has_unfinished_requests())
+                send_start_s = time.monotonic()
                 if outputs:
                     self._post(self._deliver, outputs)
+                profile.add("step", stats_start_s - step_start_s)
+                profile.add("stats", send_start_s - stats_start_s)
+                profile.add("send", time.monotonic() - send_start_s)
+                profile.maybe_log()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop died")
             self.dead_error = exc
@@ -302,6 +312,7 @@ class AsyncLLM(RequestFrontEnd):
             command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        start_s = time.monotonic()
         while True:
             self._handle(command)
             try:
@@ -309,6 +320,7 @@ class AsyncLLM(RequestFrontEnd):
             except queue.Empty:
                 break
         self._driver.snapshot(force=force_after_commands(block, self.engine_core))
+        self._profile.add("commands", time.monotonic() - start_s)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

@@ -113,6 +113,12 @@ class EngineCore:
         tenant_scheduled_tokens: tenant id -> tokens scheduled for it so far (prompt chunks,
             recomputes and decodes).
         prefill_chunks: the latest prefill chunks, oldest first (bounded ring).
+        phase_s: cumulative wall seconds of the step's phases: "schedule" (pacing and the
+            scheduler), "runner" (inputs, model, sampling) and "update" (scheduler update and
+            outputs); read by the engine loop's profile (`sits.engine.loop_profile`).
+        num_decode_rows: one-token decodes scheduled so far, cumulative.
+        num_wasted_prefill_tokens: computed prompt tokens of requests finished from outside
+            before their first token (e.g. shed by a queue timeout), cumulative.
         record_request_chunks: when True (tracing), each request's prompt chunks (and
             recomputes) travel on its next output as `EngineCoreOutput.prefill_chunks`:
             (step end time.monotonic(), tokens) per chunk since its previous output.
@@ -152,6 +158,9 @@ class EngineCore:
         self.busy_s = 0.0
         self.tenant_busy_s: dict[str, float] = {}
         self.tenant_scheduled_tokens: dict[str, int] = {}
+        self.phase_s = {"schedule": 0.0, "runner": 0.0, "update": 0.0}
+        self.num_decode_rows = 0
+        self.num_wasted_prefill_tokens = 0
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
@@ -204,6 +213,10 @@ class EngineCore:
         """Finish requests from outside (abort, stop string); frees their blocks at once."""
         self.pacer.forget(request_ids)
         for request_id in request_ids:
+            request = self.scheduler.get_request(request_id)
+            if request is not None and request.num_output_tokens == 0:
+                prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
+                self.num_wasted_prefill_tokens += prompt_done
             self._first_scheduled_s.pop(request_id, None)
             self._unreported_first_scheduled.discard(request_id)
             self._unreported_chunks.pop(request_id, None)
@@ -270,8 +283,14 @@ class EngineCore:
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
         result = self.runner.run(plan)
+        ran_s = time.monotonic()
         outputs = self.scheduler.update(plan, result)
         end_s = time.monotonic()
+        phase_s = self.phase_s
+        phase_s["schedule"] += now - start_s
+        phase_s["runner"] += ran_s - now
+        phase_s["update"] += end_s - ran_s
+        self.num_decode_rows += len(plan.scheduled) - len(prefills)
         self.num_steps += 1
         num_prefill_tokens = sum(sr.num_tokens for sr in prefills)
         if prefills:

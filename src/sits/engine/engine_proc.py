@@ -40,6 +40,7 @@ from sits.config import EngineConfig
 from sits.core.errors import SitsError
 from sits.engine.async_llm import _IDLE_WAIT_S, EngineStats
 from sits.engine.driver import EngineDriver, force_after_commands
+from sits.engine.loop_profile import LoopProfile
 from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
 from sits.sched.config import TenantPolicy
 
@@ -179,6 +180,7 @@ class _EngineProc:
             parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
         )
         self.stats_time_s = time.monotonic()
+        self.profile = LoopProfile(parts.core)
 
     @property
     def stats(self) -> EngineStats:
@@ -189,13 +191,17 @@ class _EngineProc:
         """The step loop (see the module docstring); sends ("died", ...) when it fails."""
         core = self.core
         sched = core.scheduler
+        profile = self.profile
         stalled = False
         try:
             while not self.stopping:
                 self.drain(block=stalled or not core.has_unfinished_requests())
                 if self.stopping or not core.has_unfinished_requests():
                     continue
+                step_start_s = time.monotonic()
                 outputs, stalled = self.driver.step()  # stalled: wait for a command
+                stats_start_s = time.monotonic()
+                profile.add("step", stats_start_s - step_start_s)
                 idle = stalled or not core.has_unfinished_requests()
                 due = (
                     idle
@@ -204,8 +210,12 @@ class _EngineProc:
                     != (self.stats.num_running, self.stats.num_waiting)
                 )
                 stats = self.snapshot(force=idle) if due else None
+                send_start_s = time.monotonic()
+                profile.add("stats", send_start_s - stats_start_s)
                 if outputs or stats is not None:
                     self.out_conn.send(("step", outputs, stats))
+                profile.add("send", time.monotonic() - send_start_s)
+                profile.maybe_log()
         except (EOFError, BrokenPipeError):
             logger.info("engine process: the server process is gone; exiting")
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
@@ -223,12 +233,14 @@ class _EngineProc:
             if block:
                 self.out_conn.send(("beat",))
             return
-        deadline_s = time.monotonic() + MAX_DRAIN_S
+        start_s = time.monotonic()
+        deadline_s = start_s + MAX_DRAIN_S
         while True:
             self.handle(conn.recv())
             if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
                 break
         self.out_conn.send(("stats", self.snapshot(force=force_after_commands(block, self.core))))
+        self.profile.add("commands", time.monotonic() - start_s)
 
     def handle(self, command: tuple) -> None:
         kind = command[0]

@@ -1,0 +1,92 @@
+"""The engine loop's profile: exact window figures from a fake clock and fake core counters, and
+the core's counters on the tiny model (decode rows, prompt tokens wasted by an abort)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError
+from sits.core.request import FinishReason
+from sits.core.sampling_params import SamplingParams
+from sits.engine.builder import build_engine
+from sits.engine.loop_profile import LoopProfile
+from sits.engine.requests import make_engine_requests
+
+
+class _Core:
+    def __init__(self) -> None:
+        self.phase_s = {"schedule": 0.0, "runner": 0.0, "update": 0.0}
+        self.num_steps = 0
+        self.num_decode_rows = 0
+        self.num_prefill_tokens = 0
+        self.num_wasted_prefill_tokens = 0
+
+
+def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
+    clock = [100.0]
+    core = _Core()
+    profile = LoopProfile(core, period_s=2.0, clock=lambda: clock[0])
+    assert profile.maybe_log() is None  # no time has passed
+    # 4 steps in 2 s: 0.5 s of runner, 0.125 s of schedule and update each, per 4 steps.
+    core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 4, 400, 1024
+    core.phase_s.update(schedule=0.125, runner=0.5, update=0.125)
+    core.num_wasted_prefill_tokens = 512
+    for phase, seconds in (("step", 0.75), ("commands", 0.25), ("stats", 0.125), ("send", 0.25)):
+        profile.add(phase, seconds)
+    clock[0] = 101.5
+    assert profile.maybe_log() is None  # the window is not over
+    clock[0] = 102.0
+    with caplog.at_level(logging.INFO, logger="sits.engine.loop_profile"):
+        line = profile.maybe_log()
+    assert line == (
+        "engine loop, last 2.0 s: 4 steps, one per 500.0 ms: step 187.5 (schedule 31.2, "
+        "runner 125.0, update 31.2), commands 62.5, stats 31.2, send 62.5; per step 100 "
+        "decodes + 256 prefill tokens; 512 prefill tokens of requests shed before their "
+        "first token"
+    )
+    assert caplog.messages == [line]
+    # The next window starts from zero; one without steps logs nothing.
+    clock[0] = 104.0
+    assert profile.maybe_log() is None
+    core.num_steps = 5
+    profile.add("step", 0.5)
+    clock[0] = 106.0
+    assert "1 steps, one per 2000.0 ms: step 500.0 (schedule 0.0" in profile.maybe_log()
+
+
+def test_period_must_be_positive() -> None:
+    with pytest.raises(InvalidParameterError, match="must be > 0, got 0") as info:
+        LoopProfile(_Core(), period_s=0)
+    assert info.value.param == "period_s"
+
+
+def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_factory) -> None:
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    core = build_engine(config).core
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for request_id, length in (("a", 40), ("b", 100)):
+        (request,) = make_engine_requests(
+            request_id,
+            list(range(1, length + 1)),
+            params,
+            eos_token_ids=(),
+            max_model_len=256,
+            enable_prefix_caching=False,
+        )
+        core.add_request(request)
+    core.step()  # a: 40 prompt tokens (first token), b: 24 of 100
+    core.step()  # a: one decode, b: 63 more (87 of 100: the budget is 64 tokens)
+    assert (core.num_steps, core.num_decode_rows, core.num_prefill_tokens) == (2, 1, 127)
+    core.finish_requests(["b"], FinishReason.ABORT)  # shed before its first token
+    core.finish_requests(["a"], FinishReason.ABORT)  # had tokens: nothing wasted
+    assert core.num_wasted_prefill_tokens == 87
+    assert all(seconds > 0 for seconds in core.phase_s.values())
