@@ -23,6 +23,7 @@ class _Core:
         self.num_decode_rows = 0
         self.num_prefill_tokens = 0
         self.num_wasted_prefill_tokens = 0
+        self.scheduler = type("Scheduler", (), {"num_preemptions": 0})()
 
 
 def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
@@ -34,6 +35,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 4, 400, 1024
     core.phase_s.update(schedule=0.125, runner=0.5, update=0.125)
     core.num_wasted_prefill_tokens = 512
+    core.scheduler.num_preemptions = 3
     for phase, seconds in (("step", 0.75), ("commands", 0.25), ("stats", 0.125), ("send", 0.25)):
         profile.add(phase, seconds)
     clock[0] = 101.5
@@ -44,8 +46,8 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     assert line == (
         "engine loop, last 2.0 s: 4 steps, one per 500.0 ms: step 187.5 (schedule 31.2, "
         "runner 125.0, update 31.2), commands 62.5, stats 31.2, send 62.5; per step 100 "
-        "decodes + 256 prefill tokens; 512 prefill tokens of requests shed before their "
-        "first token"
+        "decodes + 256 prefill tokens; 3 preemptions; 512 prefill tokens of requests shed "
+        "before their first token"
     )
     assert caplog.messages == [line]
     # The next window starts from zero; one without steps logs nothing.

@@ -245,3 +245,39 @@ def test_among_equal_borrowers_the_most_over_share_tenant_is_preempted() -> None
     # X holds 6 blocks, Y 2: X1 goes although Y0 arrived last.
     assert summary(plan) == [("X0", 12, 1, True), ("Y0", 8, 1, True)]
     assert scheduler.waiting_request_ids() == ["X1"]
+
+
+def test_a_held_back_reclaim_waits_for_finishing_requests_then_preempts_when_due() -> None:
+    """`reclaim_tenants` without G: G's protected slots take what finishing borrowers free (no
+    recompute); once due (`reclaim_due_tenants`: its oldest wait >= 0.25 x its 100 ms TTFT
+    SLO), G preempts as before."""
+    tenants = (GUARANTEED, BEST_EFFORT)  # G keeps 2 of 4 slots
+    scheduler = Scheduler(make_config(max_num_seqs=4, tenants=tenants))
+    for i in range(10):  # E0 finishes after 2 tokens, the others run long
+        max_tokens = 2 if i == 0 else 30
+        scheduler.add_request(make_request(f"E{i}", [1], max_tokens, arrival_time=i, tenant_id="E"))
+    run_step(scheduler)
+    assert scheduler.running_request_ids() == ["E0", "E1", "E2", "E3"]
+    scheduler.add_request(make_request("G0", [1], 3, arrival_time=20.0, tenant_id="G"))
+    scheduler.add_request(make_request("G1", [1], 3, arrival_time=20.0, tenant_id="G"))
+    assert scheduler.reclaim_due_tenants(20.0234375, 0.25) == frozenset()  # waited < 25 ms
+    plan = scheduler.schedule(reclaim_tenants=frozenset())
+    # Nobody is preempted; E0 decodes its last token and frees its slot after this step.
+    assert [s.request_id for s in plan.scheduled] == ["E0", "E1", "E2", "E3"]
+    outputs = scheduler.update(plan, fake_result(plan))
+    assert [o.request_id for o in outputs if o.finished] == ["E0"]
+    plan = scheduler.schedule(reclaim_tenants=frozenset())
+    # The freed slot goes to G0 (protected: no E request takes it); still no preemption.
+    assert [s.request_id for s in plan.scheduled] == ["E1", "E2", "E3", "G0"]
+    scheduler.update(plan, fake_result(plan))
+    assert scheduler.tenant_stats()["E"].num_preemptions == 0
+    assert scheduler.reclaim_due_tenants(20.03125, 0.25) == frozenset({"G"})  # G1 is due now
+    plan = scheduler.schedule(reclaim_tenants=frozenset({"G"}))
+    assert [s.request_id for s in plan.scheduled] == ["G0", "E1", "E2", "G1"]
+    assert scheduler.tenant_stats()["E"].num_preemptions == 1  # E3, the latest arrival
+    # A guaranteed tenant without a TTFT SLO is always due; other tiers never are.
+    plain = TenantPolicy(tenant_id="P", tier=TenantTier.GUARANTEED, reserved_kv_fraction=0.25)
+    other = Scheduler(make_config(max_num_seqs=4, tenants=(plain, BEST_EFFORT)))
+    other.add_request(make_request("P0", [1], 3, arrival_time=5.0, tenant_id="P"))
+    other.add_request(make_request("E0", [1], 3, arrival_time=5.0, tenant_id="E"))
+    assert other.reclaim_due_tenants(5.0, 0.25) == frozenset({"P"})

@@ -4,12 +4,13 @@ The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its 
 `add`: "commands" (handling adds, finishes and calls), "step" (`EngineDriver.step`: the core
 step and the expert read), "stats" (snapshots) and "send" (handing outputs to the server).
 `maybe_log` reads the core's cumulative counters (`EngineCore.phase_s`: schedule, runner,
-update; steps, decode rows, prefill tokens, wasted prefill tokens) and, once `period_s` has
-passed since the last line, logs the averages per step over that window, e.g.
+update; steps, decode rows, prefill tokens, preemptions, wasted prefill tokens) and, once
+`period_s` has passed since the last line, logs the averages per step over that window
+(preemptions and wasted tokens as window totals), e.g.
 
     engine loop, last 10.0 s: 312 steps, one per 32.0 ms: step 28.1 (schedule 1.2, runner
     24.0, update 2.9), commands 1.1, stats 0.5, send 2.3; per step 180 decodes + 540
-    prefill tokens; 0 prefill tokens of requests shed before their first token
+    prefill tokens; 3 preemptions; 0 prefill tokens of requests shed before their first token
 
 (all phase figures in ms per step; "one per" includes idle time) so an operator, or a
 benchmark's log, sees whether steps are bound by the model, by host work or by the server
@@ -68,6 +69,7 @@ class LoopProfile:
         for name in ("num_steps", "num_decode_rows", "num_prefill_tokens"):
             counters[name] = getattr(core, name)
         counters["wasted"] = core.num_wasted_prefill_tokens  # type: ignore[attr-defined]
+        counters["preemptions"] = core.scheduler.num_preemptions  # type: ignore[attr-defined]
         return counters
 
     def maybe_log(self) -> str | None:
@@ -91,7 +93,8 @@ class LoopProfile:
             f"commands {ms['commands']:.1f}, stats {ms['stats']:.1f}, send {ms['send']:.1f}; "
             f"per step {delta['num_decode_rows'] / steps:.0f} decodes + "
             f"{delta['num_prefill_tokens'] / steps:.0f} prefill tokens; "
-            f"{int(delta['wasted'])} prefill tokens of requests shed before their first token"
+            f"{int(delta['preemptions'])} preemptions; {int(delta['wasted'])} prefill tokens "
+            "of requests shed before their first token"
         )
         logger.info("%s", line)
         return line

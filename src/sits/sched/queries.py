@@ -66,6 +66,26 @@ class SchedulerQueries:
                 total += max(request.num_prompt_tokens - request.num_computed_tokens, 0)
         return total
 
+    def reclaim_due_tenants(self, now_s: float, patience_fraction: float) -> frozenset[str]:
+        """Guaranteed tenants with waiting work whose reservation may be reclaimed from
+        borrowers by preemption now (`Scheduler.schedule`'s `reclaim_tenants`): those without
+        a TTFT SLO, and those whose oldest waiting request arrived at least
+        `patience_fraction` x their TTFT SLO before `now_s` (time.monotonic()). Until then
+        their protected slots and blocks take what finishing requests free, with no work
+        thrown away. O(those tenants' waiting requests)."""
+        due = []
+        for tenant in self._book.backlogged():
+            policy = tenant.policy
+            if policy.tier is not TenantTier.GUARANTEED:
+                continue
+            if policy.ttft_ms is None:
+                due.append(policy.tenant_id)
+                continue
+            oldest_s = min(request.arrival_time for request in tenant.queue)
+            if now_s - oldest_s >= patience_fraction * policy.ttft_ms / 1000:
+                due.append(policy.tenant_id)
+        return frozenset(due)
+
     def running_request_ids(self) -> list[str]:
         """Running request ids in running (admission) order."""
         return [r.request_id for r in self._running]

@@ -4,8 +4,11 @@ One rule drives every step (as in vLLM v1): each request's computed tokens catch
 total tokens (prompt + outputs), a prefill chunk or a decode alike, within
 `max_num_batched_tokens`. A step has three phases:
 1. reclaim (tenant-aware mode only): a guaranteed tenant whose waiting work needs its unused
-   reservation while borrowers hold it preempts those borrowers (recompute), so it gets its
-   reservation back in the step it asks for it;
+   reservation while borrowers hold it preempts those borrowers (recompute or swap), so it
+   gets its reservation back in the step it asks for it; the caller may hold a tenant's
+   reclaim back (`reclaim_tenants`: the engine waits until its oldest waiting request has
+   used part of its TTFT SLO, `queries.reclaim_due_tenants`), since the slots and blocks that
+   finishing requests free go to its protected reservation first, at no recompute cost;
 2. running requests, in admission order (tenant-aware: tenants within their reservation
    first, then by tier and priority); a request that cannot get blocks preempts victims
    (`policy.victim_key`) until it fits or is itself the victim;
@@ -162,12 +165,18 @@ class Scheduler(SchedulerQueries):
         return outputs
 
     # ----------------------------------------------------------------------------- schedule
-    def schedule(self, max_prefill_tokens: int | None = None) -> StepPlan:
+    def schedule(
+        self,
+        max_prefill_tokens: int | None = None,
+        reclaim_tenants: frozenset[str] | None = None,
+    ) -> StepPlan:
         """Decide this step's work: reclaim reservations, running requests, then waiting ones.
 
         Args:
             max_prefill_tokens: at most this many prompt/recompute tokens in the step (TPOT
                 pacing, `sits.sched.pacing`); decodes are not limited. None: the budget.
+            reclaim_tenants: the guaranteed tenants that may preempt borrowers to get their
+                reservation back in this step; None: all of them.
 
         Returns:
             The plan: scheduled requests in batch order, requests new to the runner, and the
@@ -178,7 +187,7 @@ class Scheduler(SchedulerQueries):
         prefill_budget = budget if max_prefill_tokens is None else min(max_prefill_tokens, budget)
         step = _StepState(token_budget=budget, prefill_budget=max(prefill_budget, 0))
         if self._book.fair:
-            self._reclaim_reservations(step)
+            self._reclaim_reservations(step, reclaim_tenants)
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.swapper.end_step(step.swap_out, step.swap_in)
@@ -192,8 +201,9 @@ class Scheduler(SchedulerQueries):
             swap_in=step.swap_in,
         )
 
-    def _reclaim_reservations(self, step: _StepState) -> None:
-        """Guaranteed tenants with waiting work take back reserved blocks/slots from borrowers.
+    def _reclaim_reservations(self, step: _StepState, tenant_ids: frozenset[str] | None) -> None:
+        """Guaranteed tenants with waiting work (of `tenant_ids`; None: all) take back
+        reserved blocks/slots from borrowers.
 
         Victims are running requests of OTHER tenants holding more blocks (resp. slots) than
         their own reservation, largest `victim_key` first, until the guaranteed tenant's
@@ -202,6 +212,8 @@ class Scheduler(SchedulerQueries):
         book = self._book
         for g in book.backlogged():
             if g.policy.tier is not TenantTier.GUARANTEED:
+                continue
+            if tenant_ids is not None and g.policy.tenant_id not in tenant_ids:
                 continue
             while book.block_shortfall(g, self.kv.num_free_blocks) > 0:
                 if not self._preempt_one(
