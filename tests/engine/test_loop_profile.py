@@ -1,15 +1,17 @@
-"""The engine loop's profile: exact window figures from a fake clock and fake core counters, and
-the core's counters on the tiny model (decode rows, prompt tokens wasted by an abort)."""
+"""The engine loop's profile: exact window figures from a fake clock and fake core counters; the
+core's counters on the tiny model (decode rows, prompt tokens wasted by an abort); and the
+core's start deadlines (requests never started by then are dropped)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
-from sits.core.request import FinishReason
+from sits.core.request import START_DEADLINE_MISSED, FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
 from sits.engine.loop_profile import LoopProfile
@@ -92,3 +94,52 @@ def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_f
     core.finish_requests(["a"], FinishReason.ABORT)  # had tokens: nothing wasted
     assert core.num_wasted_prefill_tokens == 87
     assert all(seconds > 0 for seconds in core.phase_s.values())
+
+
+def test_requests_past_their_start_deadline_are_dropped_only_if_never_started(
+    tiny_model_factory,
+) -> None:
+    """`Request.start_deadline_s`: a waiting request untouched at its deadline ends (ABORT,
+    `START_DEADLINE_MISSED`, no tokens, nothing computed); one whose prefill has begun runs
+    on, and so does one without a deadline."""
+    config = EngineConfig(
+        model=str(tiny_model_factory("llama")),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+    core = build_engine(config).core
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def add(request_id: str, length: int, deadline_s: float | None) -> None:
+        (request,) = make_engine_requests(
+            request_id,
+            list(range(1, length + 1)),
+            params,
+            eos_token_ids=(),
+            max_model_len=256,
+            enable_prefix_caching=False,
+            start_deadline_s=deadline_s,
+        )
+        core.add_request(request)
+
+    add("long", 100, time.monotonic() + 0.05)  # starts at once (64 of 100 tokens)
+    add("slots", 10, None)  # takes the second sequence slot
+    assert core.step() == []  # no first token yet
+    assert core.scheduler.get_request("long").num_computed_tokens == 64
+    add("late", 10, time.monotonic())  # due before the next step, and no slot is free
+    add("free", 10, None)  # waits too, without a deadline
+    time.sleep(0.06)  # "long" is past its deadline too, but has started
+    outputs = core.step()
+    dropped = [o for o in outputs if o.finished]
+    assert [(o.request_id, o.finish_reason, o.stop_reason, o.new_token_ids) for o in dropped] == [
+        ("late", FinishReason.ABORT, START_DEADLINE_MISSED, [])
+    ]
+    assert core.scheduler.get_request("late") is None
+    assert core.scheduler.get_request("long").num_computed_tokens == 100  # ran on
+    assert core.num_wasted_prefill_tokens == 0  # nothing of "late" had been computed
+    finished = set()
+    while core.has_unfinished_requests():
+        finished.update(o.request_id for o in core.step() if o.finished)
+    assert finished == {"long", "slots", "free"}

@@ -22,6 +22,11 @@ class FinishReason(StrEnum):
     ERROR = "error"  # the engine failed while serving it
 
 
+# `stop_reason` of a request the engine dropped because it had not started by its
+# `start_deadline_s` (finish_reason ABORT, no tokens): the server answers it with a 503.
+START_DEADLINE_MISSED = "start_deadline_missed"
+
+
 class RequestStatus(Enum):
     """Where a request is in its life."""
 
@@ -46,6 +51,9 @@ class Request:
         priority: lower runs first.
         prefix_leader_id: for samples 1..n-1 of an n>1 request, the id of sample 0: they wait
             until its prompt is computed, then reuse its cached prompt blocks.
+        start_deadline_s: time.monotonic() seconds by which its computation must have
+            started; a request still waiting untouched then is dropped (finish ABORT,
+            stop_reason `START_DEADLINE_MISSED`) instead of being started. None: no deadline.
         output_token_ids: generated tokens.
         num_computed_tokens: tokens whose KV is in the cache.
         num_cached_tokens: prompt tokens found in the prefix cache when first scheduled.
@@ -64,6 +72,7 @@ class Request:
     tenant_id: str = "default"
     priority: int = 0
     prefix_leader_id: str | None = None
+    start_deadline_s: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -19,6 +19,7 @@ recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in t
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest
-from sits.core.request import FinishReason, Request
+from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request, RequestStatus
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
@@ -158,6 +159,7 @@ class EngineCore:
         )
         self._rescue_tenants = ttft_rescue_tenants(tenant_policies)
         self._has_tenants = bool(tenant_policies)
+        self._start_deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.num_steps = 0
         self.num_prefill_tokens = 0
         self.prefill_busy_s = 0.0
@@ -209,6 +211,8 @@ class EngineCore:
         """Queue a request (raises like `check_request` when it can never fit)."""
         self.check_request(request.prompt_token_ids, request.max_tokens)
         self.scheduler.add_request(request)
+        if request.start_deadline_s is not None:
+            heapq.heappush(self._start_deadlines, (request.start_deadline_s, request.request_id))
 
     def finish_requests(
         self,
@@ -270,6 +274,7 @@ class EngineCore:
             One output per request that produced tokens, logprobs or finished this step.
         """
         start_s = time.monotonic()
+        expired = self._drop_unstarted(start_s) if self._start_deadlines else []
         max_prefill_tokens = None
         if self.pacer.enabled:
             running = map(self.scheduler.get_request, self.scheduler.running_request_ids())
@@ -330,7 +335,27 @@ class EngineCore:
                 out.prefill_chunks = self._unreported_chunks.pop(out.request_id, None)
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
-        return outputs
+        return expired + outputs if expired else outputs
+
+    def _drop_unstarted(self, now_s: float) -> list[EngineCoreOutput]:
+        """Finish the requests past their `start_deadline_s` that never started (no computed
+        tokens, no output; for a follower of an n>1 request, its leader neither): finish ABORT,
+        stop_reason `START_DEADLINE_MISSED`. Their outputs lead the step's outputs. A request
+        that started runs on: dropping it would throw its work away."""
+        heap = self._start_deadlines
+        sched = self.scheduler
+        due = []
+        while heap and heap[0][0] <= now_s:
+            _, request_id = heapq.heappop(heap)
+            request = sched.get_request(request_id)
+            if request is None or not _untouched(request):
+                continue
+            leader = sched.get_request(request.prefix_leader_id or "")
+            if leader is None or _untouched(leader):
+                due.append(request_id)
+        if not due:
+            return []
+        return self.finish_requests(due, FinishReason.ABORT, START_DEADLINE_MISSED)
 
     def _charge(self, tokens_by_tenant: dict[str, int], step_s: float) -> None:
         """Add one step's wall time to `busy_s` and the tenants' shares (see the module doc)."""
@@ -342,6 +367,15 @@ class EngineCore:
         for tenant_id, num_tokens in tokens_by_tenant.items():
             count = self.tenant_scheduled_tokens.get(tenant_id, 0)
             self.tenant_scheduled_tokens[tenant_id] = count + num_tokens
+
+
+def _untouched(request: Request) -> bool:
+    """Waiting with nothing computed and nothing generated (never started)."""
+    return (
+        request.status is RequestStatus.WAITING
+        and request.num_computed_tokens == 0
+        and request.num_output_tokens == 0
+    )
 
 
 def _is_prefill(sr: ScheduledRequest) -> bool:

@@ -80,8 +80,12 @@ class RequestFrontEnd:
         tenant_id: str = "default",
         priority: int = 0,
         cache_salt: str | None = None,
+        start_deadline_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one request; yields RequestOutputs as `params.output_kind` says.
+
+        `start_deadline_s` (time.monotonic()): if the engine has not started it by then, it
+        ends with finish_reason "abort", stop_reason `START_DEADLINE_MISSED` and no tokens.
 
         Raises:
             InvalidParameterError, PromptTooLongError: before anything is yielded.
@@ -100,6 +104,7 @@ class RequestFrontEnd:
             tenant_id=tenant_id,
             priority=priority,
             cache_salt=cache_salt,
+            start_deadline_s=start_deadline_s,
         )
         self._check_requests(children)
         self._loop = asyncio.get_running_loop()

@@ -40,8 +40,10 @@ def make_engine_requests(
     tenant_id: str = "default",
     priority: int = 0,
     cache_salt: str | None = None,
+    start_deadline_s: float | None = None,
 ) -> list[Request]:
-    """Build the engine requests of one user request (one per sample)."""
+    """Build the engine requests of one user request (one per sample); `start_deadline_s`
+    (time.monotonic()) drops those not started by then (`Request.start_deadline_s`)."""
     arrival = time.monotonic() if arrival_time is None else arrival_time
     max_tokens = resolve_max_tokens(params, len(prompt_token_ids), max_model_len)
     eos = eos_token_ids[0] if eos_token_ids else None
@@ -70,6 +72,7 @@ def make_engine_requests(
                 tenant_id=tenant_id,
                 priority=priority,
                 prefix_leader_id=leader,
+                start_deadline_s=start_deadline_s,
             )
         )
     return requests

@@ -73,6 +73,7 @@ class EngineClient(Protocol):
         tenant_id: str = "default",
         priority: int = 0,
         cache_salt: str | None = None,
+        start_deadline_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

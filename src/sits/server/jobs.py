@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sits.core.outputs import RequestOutput
+from sits.core.request import START_DEADLINE_MISSED
 from sits.core.sampling_params import SamplingParams
 from sits.server.engine_client import EngineClient
 
@@ -82,6 +83,14 @@ class _PromptDone:
     index: int
 
 
+def was_dropped_unstarted(output: RequestOutput) -> bool:
+    """True for the output of an engine request dropped at its start deadline (never started:
+    finished, no tokens, stop_reason `START_DEADLINE_MISSED`)."""
+    return output.finished and all(
+        c.stop_reason == START_DEADLINE_MISSED and not c.token_ids for c in output.outputs
+    )
+
+
 class GenerationJob:
     """The engine requests of one HTTP request and their merged outputs.
 
@@ -93,6 +102,11 @@ class GenerationJob:
         tenant_id, priority, cache_salt: passed to the engine.
         make_observer: builds an observer per prompt (metrics); None for none.
         audit: the server's audit log; None when auditing is off.
+
+    Attributes:
+        start_deadline_s: time.monotonic() seconds by which the engine must have started
+            each prompt, else it drops it (`Request.start_deadline_s`; see
+            `was_dropped_unstarted`); set before `start()`. None: no deadline.
     """
 
     def __init__(
@@ -122,6 +136,7 @@ class GenerationJob:
         self._make_observer = make_observer or (lambda _p: OutputObserver())
         self.audit = audit
         self.trace_id: str | None = None  # the W3C trace id (32 hex) when traced
+        self.start_deadline_s: float | None = None
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | _PromptDone | BaseException] = (
             asyncio.Queue()
         )
@@ -174,11 +189,12 @@ class GenerationJob:
                 tenant_id=self.tenant_id,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                start_deadline_s=self.start_deadline_s,
             )
             async for output in gen:
                 if watcher is not None:
                     output = watcher.on_output(output)
-                self._started[index] = True
+                self._started[index] = not was_dropped_unstarted(output)
                 self.num_generated_tokens += sum(len(c.token_ids) for c in output.outputs)
                 observer.on_output(output)
                 finished = output.finished
