@@ -290,6 +290,7 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     assert qos.overload_state is OverloadState.GREEN
     ticket = qos.admit(gold, 1, 1)
     assert ticket.queue_timeout_s is None  # guaranteed: never shed while queued
+    assert ticket.start_within_s is None
     ticket.finish(Outcome.OK, 2)
     engine.snapshot.tenants["bulk"] = _sched(5, 20, running=1)  # within its reservation
     ticket = qos.admit(bulk, 1, 1)
@@ -300,6 +301,8 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     for t, limit_s in ((bulk, 3.0), (free, 5.0)):
         ticket = qos.admit(t, 1, 1)
         assert ticket.queue_timeout_s == limit_s and ticket.retry_after_s == 5
+        # The engine must start it with 10 % of the limit left for the first token.
+        assert ticket.start_within_s == pytest.approx(0.9 * limit_s)
         ticket.finish(Outcome.OK, 2)
     # backlog_shed_factor 2: bulk may wait 6 s, free 10 s before their new work is shed.
     engine.snapshot.tenants["bulk"] = _sched(20, 20)

@@ -319,8 +319,8 @@ async def serve_job(
 
     try:
         ctx.lifecycle.add_job(job)
-        if qos.queue_timeout_s is not None:
-            job.start_deadline_s = time.monotonic() + qos.queue_timeout_s
+        if qos.start_within_s is not None:
+            job.start_deadline_s = time.monotonic() + qos.start_within_s
         job.start()
         first = await run_until_disconnect(raw.receive, _first_output(job, qos))
         if stream:
