@@ -123,6 +123,7 @@ class QosSettings:
 # burstable tenant's requests met a 5 s TTFT while 35 % were served).
 FIRST_TOKEN_ALLOWANCE = 0.1
 
+
 class QosTicket:
     """An admitted request's QoS state; `finish` (idempotent) ends it.
 
