@@ -52,6 +52,10 @@ class EngineConfig:
             for benchmarks of real shapes without downloads (`sits.models.dummy`).
         skip_tokenizer_init: load no tokenizer: prompts must be token ids and outputs carry
             token ids only (empty text); stop strings are refused.
+        tpot_pacing_fraction: TPOT pacing spaces each paced request's tokens by this fraction
+            of its tenant's tpot_ms, in (0, 1] (`sched.pacing.TpotPacer.target_fraction`):
+            lower keeps more margin for what the client waits for beyond the engine, higher
+            lets steps carry more prefill, hence more throughput.
         num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically
@@ -78,6 +82,7 @@ class EngineConfig:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     num_spare_experts: int = 0
+    tpot_pacing_fraction: float = 0.9
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -107,6 +112,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
+        if not 0 < self.tpot_pacing_fraction <= 1:
+            raise InvalidParameterError(
+                "tpot_pacing_fraction",
+                f"tpot_pacing_fraction must be in (0, 1], got {self.tpot_pacing_fraction}",
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
         if not (math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0):

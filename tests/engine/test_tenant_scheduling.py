@@ -236,3 +236,10 @@ def test_a_first_token_at_risk_lifts_tpot_pacing_for_its_prompt(
     outputs = core.step()  # the rescue budget is late-gold's 30 prompt tokens
     assert [(o.request_id, len(o.new_token_ids)) for o in outputs] == [("late-gold", 1)]
     assert core.scheduler.get_request("fresh").num_computed_tokens == 0
+
+
+def test_the_pacing_fraction_reaches_the_pacer(tiny_model_factory) -> None:
+    gold = TenantPolicy(tenant_id="gold", tier=TenantTier.GUARANTEED, tpot_ms=50.0)
+    config = _config(tiny_model_factory("llama")).with_changes(tpot_pacing_fraction=0.95)
+    core = build_engine(config, (gold,)).core
+    assert (core.pacer.target_fraction, core.pacer.tpot_s_by_tenant) == (0.95, {"gold": 0.05})

@@ -16,6 +16,7 @@ import pytest
 import sits.demo as demo
 from sits.cli.serve import add_serve_parser, engine_config_kwargs, resolve_api_key
 from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError
 from tests.server.live import free_port
 
 
@@ -33,6 +34,7 @@ def test_serve_flags_map_to_the_engine_config() -> None:
             "--max-num-batched-tokens", "256", "--block-size", "32", "--dtype", "float32",
             "--kv-cache-memory-bytes", "1000000", "--gpu-memory-utilization", "0.5",
             "--seed", "7", "--no-enable-prefix-caching", "--shutdown-timeout", "2.5",
+            "--tpot-pacing-fraction", "0.95",
         ]
     )  # fmt: skip
     config = EngineConfig(**engine_config_kwargs(args, args.model))
@@ -40,6 +42,12 @@ def test_serve_flags_map_to_the_engine_config() -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
     assert (config.dtype, config.kv_cache_memory_bytes, config.seed) == ("float32", 1000000, 7)
     assert config.gpu_memory_utilization == 0.5 and config.enable_prefix_caching is False
+    assert config.tpot_pacing_fraction == 0.95
+    assert EngineConfig(**engine_config_kwargs(_parse([]), "/m")).tpot_pacing_fraction == 0.9
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(InvalidParameterError) as err:
+            EngineConfig(model="/m", tpot_pacing_fraction=bad)
+        assert err.value.param == "tpot_pacing_fraction"
     assert (args.host, args.port, args.shutdown_timeout) == ("0.0.0.0", 9001, 2.5)
     defaults = _parse([])
     assert defaults.model is None and defaults.model_tag is None

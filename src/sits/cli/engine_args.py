@@ -76,7 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also replay steps that carry prompt tokens from CUDA graphs, one captured per step "
-        "size (64, 128, ... tokens up to --max-num-batched-tokens): removes the kernel-launch "
+        "size (64 to 512 tokens by powers of two, then every 256 up to 2048 and every 512 up to "
+        "--max-num-batched-tokens): removes the kernel-launch "
         "cost of eager prefill steps. On by default, CUDA only; --no-mixed-step-cuda-graphs "
         "saves their capture time and memory at startup; --enforce-eager turns all graphs off",
     )
@@ -98,6 +99,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         default=0,
         help="spare expert weight slots per MoE layer: an expert frozen by the health check is "
         "reloaded from the checkpoint into one and unfrozen automatically (0: none)",
+    )
+    parser.add_argument(
+        "--tpot-pacing-fraction",
+        type=float,
+        default=0.9,
+        help="with tenants that have tpot_ms: space their tokens by this fraction of it, in "
+        "(0, 1] (0.9); higher lets steps carry more prompt tokens (throughput), lower keeps "
+        "more margin under the SLO",
     )
 
 
@@ -122,4 +131,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_offload_gb": args.cpu_offload_gb,
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,
+        "tpot_pacing_fraction": args.tpot_pacing_fraction,
     }

@@ -156,6 +156,7 @@ class EngineCore:
         self.pacer = TpotPacer(
             {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},
             config.max_num_batched_tokens,
+            target_fraction=config.tpot_pacing_fraction,
         )
         self._rescue_tenants = ttft_rescue_tenants(tenant_policies)
         self._has_tenants = bool(tenant_policies)
