@@ -274,18 +274,21 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     bulk, free, gold = tenants.get("bulk"), tenants.get("free"), tenants.get("gold")
     engine.snapshot.tenants["bulk"] = _sched(20, 20)  # holds its reservation: would borrow
     engine.snapshot.waiting = {
-        "bulk": WaitingLoad(97.5, 100),  # 2.5 s <= its 3 s TTFT SLO
-        "free": WaitingLoad(95.5, 100),  # 4.5 s <= the 5 s red queue delay (no SLO)
+        "bulk": WaitingLoad(98.75, 100),  # 1.25 s <= half its 3 s TTFT SLO
+        "free": WaitingLoad(97.75, 100),  # 2.25 s <= half the 5 s red queue delay (no SLO)
         "gold": WaitingLoad(50.0, 100),  # guaranteed: never shed by its backlog
     }
     for t in (bulk, free, gold):
         qos.admit(t, 1, 1).finish(Outcome.OK, 2)
-    clock.advance(1.0)  # bulk waited 3.5 s, free 5.5 s
-    for t, waited, limit in ((bulk, "3.5", "3"), (free, "5.5", "5")):
+    clock.advance(1.0)  # bulk waited 2.25 s, free 3.25 s
+    for t, waited, limit in (
+        (bulk, "2.2", "1.5 s (0.5 x its 3"),
+        (free, "3.2", "2.5 s (0.5 x its 5"),
+    ):
         with pytest.raises(ServerError) as err:
             qos.admit(t, 1, 1)
         assert (err.value.status, err.value.code) == (503, "overloaded")
-        assert f"has waited {waited} s, over its {limit} s TTFT" in err.value.message
+        assert f"has waited {waited} s, over {limit} s TTFT limit)" in err.value.message
         assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
     assert qos.overload_state is OverloadState.GREEN
     ticket = qos.admit(gold, 1, 1)
@@ -297,16 +300,17 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     assert ticket.queue_timeout_s is None
     ticket.finish(Outcome.OK, 2)
     engine.snapshot.waiting = {}
-    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # over quota: shed if queued past 3 s
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # over quota: shed if queued past 1.5 s
     for t, limit_s in ((bulk, 3.0), (free, 5.0)):
         ticket = qos.admit(t, 1, 1)
         assert ticket.queue_timeout_s == limit_s and ticket.retry_after_s == 5
         # The engine must start it with 10 % of the limit left for the first token.
         assert ticket.start_within_s == pytest.approx(0.9 * limit_s)
         ticket.finish(Outcome.OK, 2)
-    # backlog_shed_factor 2: bulk may wait 6 s, free 10 s before their new work is shed.
+    # backlog_shed_factor 2: limits 6 s and 10 s, so new work is admitted while bulk's oldest
+    # queued request has waited up to 3 s and free's up to 5 s.
     engine.snapshot.tenants["bulk"] = _sched(20, 20)
-    engine.snapshot.waiting = {"bulk": WaitingLoad(97.5, 100), "free": WaitingLoad(95.5, 100)}
+    engine.snapshot.waiting = {"bulk": WaitingLoad(98.0, 100), "free": WaitingLoad(96.5, 100)}
     lenient = QosSettings(clock=clock, overload=OverloadThresholds(backlog_shed_factor=2.0))
     qos = ServerQos(engine, tenants, lenient, metrics, isolate_prefix_cache=True)
     for t, limit_s in ((bulk, 6.0), (free, 10.0)):

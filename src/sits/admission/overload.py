@@ -66,9 +66,11 @@ class OverloadThresholds:
         exit_ratio: in (0, 1]; to step down, every signal must be < exit_ratio x the current
             level's threshold.
         hold_s: seconds the signals must stay under the exit levels before one step down.
-        backlog_shed_factor: a burstable or best-effort tenant's new over-quota work is shed
-            once its own oldest queued request has waited this many times its TTFT SLO
-            (`ServerQos.backlog_shed_reason`); math.inf turns that off.
+        backlog_shed_factor: a burstable or best-effort tenant's TTFT limit is this many times
+            its TTFT SLO: its new over-quota work is shed once its own oldest queued request
+            has waited half the limit (`ServerQos.backlog_shed_reason`), and the engine drops
+            such work not started by 90 % of it (`QosTicket.start_within_s`); math.inf turns
+            both off.
 
     Raises:
         InvalidParameterError: a threshold <= 0, yellow > red, kv over 1, exit_ratio outside

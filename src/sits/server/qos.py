@@ -122,6 +122,9 @@ class QosSettings:
 # oldest ones, whose first tokens came just after their limit (H200, 2026-11-30: 20 % of the
 # burstable tenant's requests met a 5 s TTFT while 35 % were served).
 FIRST_TOKEN_ALLOWANCE = 0.1
+# New over-quota work is refused at admission once the tenant's oldest queued request has
+# waited this share of its TTFT limit (`ServerQos.backlog_shed_reason`).
+ADMISSION_WAIT_FRACTION = 0.5
 
 
 class QosTicket:
@@ -306,9 +309,11 @@ class ServerQos:
         """Why new over-quota work of a burstable or best-effort tenant is shed now, or None.
 
         Shed when the tenant's own oldest queued request has already waited longer than
-        `backlog_shed_factor` x its TTFT SLO (without one: the red queue-delay threshold): a
-        new request would wait at least as long (its queue is served oldest deadline first),
-        so it could only miss.
+        `ADMISSION_WAIT_FRACTION` x its TTFT limit (`backlog_limit_s`): a new request would
+        wait at least as long (its queue is served oldest deadline first). The fraction keeps
+        this well inside the engine's start deadline (`QosTicket.start_within_s`), so a
+        request that cannot be served in time is refused at once rather than dropped after
+        queueing for most of its limit, and the queue it joins still keeps the engine busy.
         """
         limit_s = self.backlog_limit_s(tenant)
         if limit_s is None:
@@ -321,9 +326,13 @@ class ServerQos:
         if own is None or own.oldest_arrival_s is None:
             return None
         waited_s = self.clock.monotonic() - own.oldest_arrival_s
-        if waited_s <= limit_s:
+        admit_s = ADMISSION_WAIT_FRACTION * limit_s
+        if waited_s <= admit_s:
             return None
-        return f"its queued work has waited {waited_s:.1f} s, over its {limit_s:g} s TTFT limit"
+        return (
+            f"its queued work has waited {waited_s:.1f} s, over {admit_s:g} s "
+            f"({ADMISSION_WAIT_FRACTION:g} x its {limit_s:g} s TTFT limit)"
+        )
 
     def would_borrow(self, tenant: TenantConfig) -> bool:
         """True when new work of the tenant would go beyond its reservation (see module)."""
