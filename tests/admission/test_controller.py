@@ -153,6 +153,8 @@ def test_per_request_limits_are_400_and_consume_nothing(prompt, max_tokens, reas
     )
     d = ctl.try_admit("t", prompt, max_tokens)
     assert (d.reason, d.param, d.http_status) == (reason, param, 400)
+    if reason is RejectReason.MAX_TOKENS_PER_REQUEST:  # max_tokens x n, as the user sent it
+        assert d.message.startswith("The request may generate up to 51 tokens (max_tokens x n")
     assert (d.retry_after_s, d.retry_after_ms) == (None, None)
     assert "Retry-After" not in ratelimit_headers(d)
     assert ctl.snapshot("t") == RateLimitSnapshot(1, 1, 0.0, 120, 120, 0.0)

@@ -58,7 +58,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     core.num_steps = 5
     profile.add("step", 0.5)
     clock[0] = 106.0
-    assert "1 steps, one per 2000.0 ms: step 500.0 (schedule 0.0" in profile.maybe_log()
+    assert "1 step, one per 2000.0 ms: step 500.0 (schedule 0.0" in profile.maybe_log()
 
 
 def test_period_must_be_positive() -> None:

@@ -117,14 +117,21 @@ def test_engine_process_flag_is_off_by_default() -> None:
     assert _parse(["--engine-process"]).engine_process is True
 
 
-def test_sits_serve_engine_process_answers_and_exits_on_sigterm(tiny_moe_dir, tmp_path) -> None:
+def test_sits_serve_engine_process_answers_and_exits_on_sigterm_to_its_group(
+    tiny_moe_dir, tmp_path
+) -> None:
+    """SIGTERM to the whole process group (what `systemctl stop` and `kill -- -PGID` do) reaches
+    the engine process too: it ignores it and the server drains and stops it (exit 0, no
+    ERROR logged)."""
     port = free_port()
     cmd = [sys.executable, "-m", "sits.cli.main", "serve", str(tiny_moe_dir), "--engine-process"]
     cmd += ["--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
     cmd += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--log-level", "warning"]
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -139,10 +146,11 @@ def test_sits_serve_engine_process_answers_and_exits_on_sigterm(tiny_moe_dir, tm
         body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 6
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
         log.close()
+    assert "ERROR" not in (tmp_path / "serve.log").read_text()

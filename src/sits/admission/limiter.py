@@ -81,8 +81,9 @@ class TenantLimiter:
         if t.max_tokens_per_request is not None and max_tokens > t.max_tokens_per_request:
             return Refusal(
                 RejectReason.MAX_TOKENS_PER_REQUEST,
-                f"max_tokens is {max_tokens}; tenant '{t.id}' allows at most "
-                f"{t.max_tokens_per_request}.",
+                f"The request may generate up to {max_tokens} tokens (max_tokens x n, over all "
+                f"its prompts); tenant '{t.id}' allows at most {t.max_tokens_per_request} per "
+                "request.",
                 param="max_tokens",
             )
         total = prompt_tokens + max_tokens

@@ -19,7 +19,8 @@ The loop keeps `AsyncLLM._engine_loop`'s rules: block on the inbox while idle or
 read the MoE expert counters as `EngineDriver` does (the same code), and
 snapshot the stats after each batch of commands, when idle, when a step changed the number
 of running or waiting requests, and else every `_STATS_PERIOD_S` while stepping. The child
-ignores SIGINT (the parent owns shutdown) and exits when the parent's end of the command pipe
+ignores SIGINT and SIGTERM (the parent owns shutdown; it kills a child that does not stop) and
+exits when the parent's end of the command pipe
 closes. Timestamps (`time.monotonic()`) are comparable between the two processes: one
 system-wide clock on Linux.
 """
@@ -125,7 +126,10 @@ def run_engine_proc(
 ) -> None:
     """Child process entry: build the engine, report ("ready" or "startup_error"), then run
     the step loop until ("stop",) or the parent goes away."""
+    # The parent owns shutdown: a Ctrl-C or a SIGTERM sent to the whole process group (as
+    # `systemctl stop` does) must not kill the engine under the parent's draining requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     logging.getLogger("sits").setLevel(log_level)
     try:

@@ -87,7 +87,7 @@ class LoopProfile:
             return None
         ms = {name: 1e3 * seconds / steps for name, seconds in {**loop_s, **delta}.items()}
         line = (
-            f"engine loop, last {window_s:.1f} s: {steps} steps, one per "
+            f"engine loop, last {window_s:.1f} s: {steps} step{'s' if steps > 1 else ''}, one per "
             f"{1e3 * window_s / steps:.1f} ms: step {ms['step']:.1f} (schedule "
             f"{ms['schedule']:.1f}, runner {ms['runner']:.1f}, update {ms['update']:.1f}), "
             f"commands {ms['commands']:.1f}, stats {ms['stats']:.1f}, send {ms['send']:.1f}; "
