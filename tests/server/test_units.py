@@ -51,6 +51,9 @@ def test_resolve_max_tokens_follows_vllm() -> None:
     assert "1024" in str(err.value) and "1000" in str(err.value) and "1025" in str(err.value)
     with pytest.raises(PromptTooLongError):
         resolve_max_tokens(None, 1024, 1024, "prompt")
+    with pytest.raises(PromptTooLongError) as err:  # max_tokens alone is over the limit
+        resolve_max_tokens(10**12, 5, 1024, "prompt")
+    assert err.value.param == "max_tokens"
 
 
 def test_completion_params_mapping() -> None:

@@ -173,7 +173,8 @@ def resolve_max_tokens(
         prompt_param: the field to blame ("prompt" or "messages").
 
     Raises:
-        PromptTooLongError: prompt + max_tokens > max_model_len, or no room is left with None.
+        PromptTooLongError: prompt + max_tokens > max_model_len (param "max_tokens" when
+            max_tokens alone exceeds it, else `prompt_param`), or no room is left with None.
     """
     if requested is None:
         if num_prompt_tokens >= max_model_len:
@@ -190,7 +191,7 @@ def resolve_max_tokens(
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
             f"prompt, {requested} for the completion). Please reduce the length of the prompt "
             "or max_tokens.",
-            param=prompt_param,
+            param="max_tokens" if requested >= max_model_len else prompt_param,
         )
     return requested
 
