@@ -214,6 +214,14 @@ def test_bad_types_are_400_not_422(server) -> None:
             "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
         assert resp.status_code == 400 and "error" in resp.json()
+        # Valid JSON without its content type, and no body at all: say what to send.
+        send = "send a JSON object with the header Content-Type: application/json."
+        resp = http.post("/v1/completions", content=b'{"prompt": "x"}')
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == f"The request body is not a JSON object: {send}"
+        resp = http.post("/v1/completions", headers={"content-type": "application/json"})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == f"The request has no body: {send}"
         resp = http.post(
             "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]}
         )

@@ -106,6 +106,9 @@ def error_response(err: ServerError, headers: dict[str, str] | None = None) -> J
     return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
+_SEND_JSON = "send a JSON object with the header Content-Type: application/json"
+
+
 def validation_error(exc: RequestValidationError) -> ServerError:
     """400 for a body pydantic refused; `param` is the first field at fault.
 
@@ -125,6 +128,10 @@ def validation_error(exc: RequestValidationError) -> ServerError:
             400, f"Unrecognized request argument supplied: {param}", param=param, code=None
         )
     if not loc:
+        if kind == "missing":
+            return ServerError(400, f"The request has no body: {_SEND_JSON}.")
+        if kind in ("model_attributes_type", "dict_type", "model_type"):
+            return ServerError(400, f"The request body is not a JSON object: {_SEND_JSON}.")
         return ServerError(400, f"Invalid request body: {first.get('msg', '')}.")
     where = ".".join(str(part) for part in loc)
     return ServerError(400, f"{where}: {first.get('msg', 'invalid value')}.", param=param)
