@@ -274,16 +274,16 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     bulk, free, gold = tenants.get("bulk"), tenants.get("free"), tenants.get("gold")
     engine.snapshot.tenants["bulk"] = _sched(20, 20)  # holds its reservation: would borrow
     engine.snapshot.waiting = {
-        "bulk": WaitingLoad(98.75, 100),  # 1.25 s <= half its 3 s TTFT SLO
-        "free": WaitingLoad(97.75, 100),  # 2.25 s <= half the 5 s red queue delay (no SLO)
+        "bulk": WaitingLoad(97.5, 100),  # 2.5 s <= 0.9 x its 3 s TTFT SLO
+        "free": WaitingLoad(95.5, 100),  # 4.5 s <= 0.9 x the 5 s red queue delay (no SLO)
         "gold": WaitingLoad(50.0, 100),  # guaranteed: never shed by its backlog
     }
     for t in (bulk, free, gold):
         qos.admit(t, 1, 1).finish(Outcome.OK, 2)
-    clock.advance(1.0)  # bulk waited 2.25 s, free 3.25 s
+    clock.advance(1.0)  # bulk waited 3.5 s, free 5.5 s
     for t, waited, limit in (
-        (bulk, "2.2", "1.5 s (0.5 x its 3"),
-        (free, "3.2", "2.5 s (0.5 x its 5"),
+        (bulk, "3.5", "2.7 s (0.9 x its 3"),
+        (free, "5.5", "4.5 s (0.9 x its 5"),
     ):
         with pytest.raises(ServerError) as err:
             qos.admit(t, 1, 1)
@@ -300,7 +300,7 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
     assert ticket.queue_timeout_s is None
     ticket.finish(Outcome.OK, 2)
     engine.snapshot.waiting = {}
-    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # over quota: shed if queued past 1.5 s
+    engine.snapshot.tenants["bulk"] = _sched(20, 20)  # over quota: shed if queued past 2.7 s
     for t, limit_s in ((bulk, 3.0), (free, 5.0)):
         ticket = qos.admit(t, 1, 1)
         assert ticket.queue_timeout_s == limit_s and ticket.retry_after_s == 5
@@ -308,9 +308,9 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
         assert ticket.start_within_s == pytest.approx(0.9 * limit_s)
         ticket.finish(Outcome.OK, 2)
     # backlog_shed_factor 2: limits 6 s and 10 s, so new work is admitted while bulk's oldest
-    # queued request has waited up to 3 s and free's up to 5 s.
+    # queued request has waited up to 5.4 s and free's up to 9 s.
     engine.snapshot.tenants["bulk"] = _sched(20, 20)
-    engine.snapshot.waiting = {"bulk": WaitingLoad(98.0, 100), "free": WaitingLoad(96.5, 100)}
+    engine.snapshot.waiting = {"bulk": WaitingLoad(96.0, 100), "free": WaitingLoad(92.5, 100)}
     lenient = QosSettings(clock=clock, overload=OverloadThresholds(backlog_shed_factor=2.0))
     qos = ServerQos(engine, tenants, lenient, metrics, isolate_prefix_cache=True)
     for t, limit_s in ((bulk, 6.0), (free, 10.0)):

@@ -68,8 +68,8 @@ class OverloadThresholds:
         hold_s: seconds the signals must stay under the exit levels before one step down.
         backlog_shed_factor: a burstable or best-effort tenant's TTFT limit is this many times
             its TTFT SLO: its new over-quota work is shed once its own oldest queued request
-            has waited half the limit (`ServerQos.backlog_shed_reason`), and the engine drops
-            such work not started by 90 % of it (`QosTicket.start_within_s`); math.inf turns
+            has waited 90 % of the limit (`ServerQos.backlog_shed_reason`), and the engine
+            drops such work not started by then (`QosTicket.start_within_s`); math.inf turns
             both off.
 
     Raises:
