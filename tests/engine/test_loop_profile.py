@@ -46,10 +46,10 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="sits.engine.loop_profile"):
         line = profile.maybe_log()
     assert line == (
-        "engine loop, last 2.0 s: 4 steps, one per 500.0 ms: step 187.5 (schedule 31.2, "
-        "runner 125.0, update 31.2), commands 62.5, stats 31.2, send 62.5; per step 100 "
-        "decodes + 256 prefill tokens; 3 preemptions; 512 prefill tokens of requests shed "
-        "before their first token"
+        "engine loop, last 2.0 s (busy 1.4 s): 4 steps of 343.8 ms: step 187.5 (schedule "
+        "31.2, runner 125.0, update 31.2), commands 62.5, stats 31.2, send 62.5; per step "
+        "100.0 decodes + 256.0 prefill tokens; 3 preemptions; 512 prefill tokens of requests "
+        "shed before their first token"
     )
     assert caplog.messages == [line]
     # The next window starts from zero; one without steps logs nothing.
@@ -58,7 +58,10 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     core.num_steps = 5
     profile.add("step", 0.5)
     clock[0] = 106.0
-    assert "1 step, one per 2000.0 ms: step 500.0 (schedule 0.0" in profile.maybe_log()
+    core.scheduler.num_preemptions = 4
+    line = profile.maybe_log()
+    assert "(busy 0.5 s): 1 step of 500.0 ms: step 500.0 (schedule 0.0" in line
+    assert "; 1 preemption; " in line
 
 
 def test_period_must_be_positive() -> None:

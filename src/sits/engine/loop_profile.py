@@ -8,13 +8,16 @@ update; steps, decode rows, prefill tokens, preemptions, wasted prefill tokens) 
 `period_s` has passed since the last line, logs the averages per step over that window
 (preemptions and wasted tokens as window totals), e.g.
 
-    engine loop, last 10.0 s: 312 steps, one per 32.0 ms: step 28.1 (schedule 1.2, runner
-    24.0, update 2.9), commands 1.1, stats 0.5, send 2.3; per step 180 decodes + 540
-    prefill tokens; 3 preemptions; 0 prefill tokens of requests shed before their first token
+    engine loop, last 10.0 s (busy 10.0 s): 312 steps of 32.0 ms: step 28.1 (schedule 1.2,
+    runner 24.0, update 2.9), commands 1.1, stats 0.5, send 2.3; per step 180.0 decodes +
+    540.0 prefill tokens; 3 preemptions; 0 prefill tokens of requests shed before their
+    first token
 
-(all phase figures in ms per step; "one per" includes idle time) so an operator, or a
-benchmark's log, sees whether steps are bound by the model, by host work or by the server
-side. Windows without steps log nothing. Costs a few clock reads per step.
+(phase figures in ms per step; "busy" is the loop's time in its phases, so idle time in the
+window does not inflate the per-step figures) so an operator, or a benchmark's log, sees
+whether steps are bound by the model, by host work or by the server side. A line is written
+at the first step after `period_s` has passed (a window may span an idle gap); windows
+without steps log nothing. Costs a few clock reads per step.
 """
 
 from __future__ import annotations
@@ -86,15 +89,21 @@ class LoopProfile:
         if steps == 0:
             return None
         ms = {name: 1e3 * seconds / steps for name, seconds in {**loop_s, **delta}.items()}
+        busy_s = sum(loop_s.values())
+        preemptions = int(delta["preemptions"])
         line = (
-            f"engine loop, last {window_s:.1f} s: {steps} step{'s' if steps > 1 else ''}, one per "
-            f"{1e3 * window_s / steps:.1f} ms: step {ms['step']:.1f} (schedule "
+            f"engine loop, last {window_s:.1f} s (busy {busy_s:.1f} s): {_plural(steps, 'step')} "
+            f"of {1e3 * busy_s / steps:.1f} ms: step {ms['step']:.1f} (schedule "
             f"{ms['schedule']:.1f}, runner {ms['runner']:.1f}, update {ms['update']:.1f}), "
             f"commands {ms['commands']:.1f}, stats {ms['stats']:.1f}, send {ms['send']:.1f}; "
-            f"per step {delta['num_decode_rows'] / steps:.0f} decodes + "
-            f"{delta['num_prefill_tokens'] / steps:.0f} prefill tokens; "
-            f"{int(delta['preemptions'])} preemptions; {int(delta['wasted'])} prefill tokens "
+            f"per step {delta['num_decode_rows'] / steps:.1f} decodes + "
+            f"{delta['num_prefill_tokens'] / steps:.1f} prefill tokens; "
+            f"{_plural(preemptions, 'preemption')}; {int(delta['wasted'])} prefill tokens "
             "of requests shed before their first token"
         )
         logger.info("%s", line)
         return line
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
