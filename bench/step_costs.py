@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     num_output = 0
     while core.has_unfinished_requests():
         sched = core.scheduler
-        before = {rid: sched.get_request(rid) for rid in sched.running_request_ids()}
-        decoding = sum(1 for r in before.values() if r is not None and r.num_output_tokens > 0)
+        running = map(sched.get_request, sched.running_request_ids())
+        decoding = sum(1 for r in running if r is not None and r.num_output_tokens > 0)
         prefill_before = core.num_prefill_tokens
         t0 = time.perf_counter()
         outputs = core.step()

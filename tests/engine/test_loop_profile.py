@@ -14,6 +14,7 @@ from sits.core.errors import InvalidParameterError
 from sits.core.request import START_DEADLINE_MISSED, FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
+from sits.engine.core import EngineCore
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.requests import make_engine_requests
 
@@ -64,32 +65,58 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     assert "; 1 preemption; " in line
 
 
+def test_laps_time_consecutive_phases_from_a_mark() -> None:
+    clock = [10.0]
+    core = _Core()
+    profile = LoopProfile(core, period_s=1.0, clock=lambda: clock[0])
+    profile.mark()
+    for phase, end_s in (("step", 10.25), ("stats", 10.375), ("send", 10.5)):
+        clock[0] = end_s
+        profile.lap(phase)
+    core.num_steps = 1
+    clock[0] = 11.0
+    assert "(busy 0.5 s): 1 step of 500.0 ms: step 250.0 " in profile.maybe_log()
+
+
 def test_period_must_be_positive() -> None:
     with pytest.raises(InvalidParameterError, match="must be > 0, got 0") as info:
         LoopProfile(_Core(), period_s=0)
     assert info.value.param == "period_s"
 
 
-def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_factory) -> None:
+def _tiny_core(tiny_model_factory, max_num_seqs: int) -> EngineCore:
+    """The tiny llama on the CPU, a budget of 64 tokens per step."""
     config = EngineConfig(
         model=str(tiny_model_factory("llama")),
         dtype="float32",
         max_model_len=256,
-        max_num_seqs=4,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=64,
     )
-    core = build_engine(config).core
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    return build_engine(config).core
+
+
+def _add(
+    core: EngineCore, request_id: str, length: int, max_tokens: int, deadline_s: float | None = None
+) -> None:
+    """Queue a greedy request with a prompt of `length` tokens 1..length."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    (request,) = make_engine_requests(
+        request_id,
+        list(range(1, length + 1)),
+        params,
+        eos_token_ids=(),
+        max_model_len=256,
+        enable_prefix_caching=False,
+        start_deadline_s=deadline_s,
+    )
+    core.add_request(request)
+
+
+def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_factory) -> None:
+    core = _tiny_core(tiny_model_factory, max_num_seqs=4)
     for request_id, length in (("a", 40), ("b", 100)):
-        (request,) = make_engine_requests(
-            request_id,
-            list(range(1, length + 1)),
-            params,
-            eos_token_ids=(),
-            max_model_len=256,
-            enable_prefix_caching=False,
-        )
-        core.add_request(request)
+        _add(core, request_id, length, max_tokens=3)
     core.step()  # a: 40 prompt tokens (first token), b: 24 of 100
     core.step()  # a: one decode, b: 63 more (87 of 100: the budget is 64 tokens)
     assert (core.num_steps, core.num_decode_rows, core.num_prefill_tokens) == (2, 1, 127)
@@ -105,27 +132,10 @@ def test_requests_past_their_start_deadline_are_dropped_only_if_never_started(
     """`Request.start_deadline_s`: a waiting request untouched at its deadline ends (ABORT,
     `START_DEADLINE_MISSED`, no tokens, nothing computed); one whose prefill has begun runs
     on, and so does one without a deadline."""
-    config = EngineConfig(
-        model=str(tiny_model_factory("llama")),
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-    )
-    core = build_engine(config).core
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    core = _tiny_core(tiny_model_factory, max_num_seqs=2)
 
     def add(request_id: str, length: int, deadline_s: float | None) -> None:
-        (request,) = make_engine_requests(
-            request_id,
-            list(range(1, length + 1)),
-            params,
-            eos_token_ids=(),
-            max_model_len=256,
-            enable_prefix_caching=False,
-            start_deadline_s=deadline_s,
-        )
-        core.add_request(request)
+        _add(core, request_id, length, max_tokens=2, deadline_s=deadline_s)
 
     add("long", 100, time.monotonic() + 0.05)  # starts at once (64 of 100 tokens)
     add("slots", 10, None)  # takes the second sequence slot

@@ -8,25 +8,10 @@ from collections.abc import Mapping
 import openai
 import pytest
 
-from sits.core.outputs import RequestOutput
-from sits.core.sampling_params import RequestOutputKind, SamplingParams
+from tests.server.greedy_probe import greedy_token_ids
 
 PROMPT = "def fibonacci(n):"
 MAX_MODEL_LEN = 1024
-
-
-async def _engine_token_ids(engine, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    final: RequestOutput | None = None
-    async for out in engine.generate("case-probe", prompt_ids, params):
-        final = out
-    assert final is not None
-    return final.outputs[0].token_ids
 
 
 def _stop_across_tokens(server, text: str, token_ids: list[int]) -> str:
@@ -44,7 +29,7 @@ def _stop_across_tokens(server, text: str, token_ids: list[int]) -> str:
 
 def test_c01_stop_string_across_tokens_streamed(client, server, model_name) -> None:
     prompt_ids = server.engine.tokenizer.encode(PROMPT)
-    token_ids = server.submit(_engine_token_ids(server.engine, prompt_ids, 40)).result(60)
+    token_ids = server.submit(greedy_token_ids(server.engine, prompt_ids, 40)).result(60)
     full = server.engine.tokenizer.decode(token_ids)
     stop = _stop_across_tokens(server, full, token_ids)
     expected = full[: full.find(stop)]
@@ -71,7 +56,7 @@ def test_c01_stop_string_across_tokens_streamed(client, server, model_name) -> N
 
 def test_c02_held_back_stop_prefix_is_flushed_at_the_end(client, server, model_name) -> None:
     prompt_ids = server.engine.tokenizer.encode(PROMPT)
-    token_ids = server.submit(_engine_token_ids(server.engine, prompt_ids, 30)).result(60)
+    token_ids = server.submit(greedy_token_ids(server.engine, prompt_ids, 30)).result(60)
     full = server.engine.tokenizer.decode(token_ids)
     stop = full[-3:] + "<never-produced-suffix>"
     kwargs = dict(

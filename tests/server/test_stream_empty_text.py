@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 
-from sits.core.outputs import RequestOutput
-from sits.core.sampling_params import RequestOutputKind, SamplingParams
+from tests.server.greedy_probe import greedy_token_ids
 
 MAX_TOKENS = 12
 # Greedy continuations hold lone UTF-8 lead bytes (pieces "\ufffd"): tokens with text "".
@@ -32,22 +31,8 @@ STOP_PROMPT = "Once upon a time"
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-async def _greedy_token_ids(engine: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    final: RequestOutput | None = None
-    async for out in engine.generate("stream-empty-probe", prompt_ids, params):
-        final = out
-    assert final is not None
-    return list(final.outputs[0].token_ids)
-
-
 def _engine_token_ids(server: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    return server.submit(_greedy_token_ids(server.engine, prompt_ids, max_tokens)).result(60)
+    return server.submit(greedy_token_ids(server.engine, prompt_ids, max_tokens)).result(60)
 
 
 def _reference_deltas(tokenizer: Any, token_ids: list[int], stop: str = "") -> list[str]:

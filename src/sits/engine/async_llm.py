@@ -290,16 +290,14 @@ class AsyncLLM(RequestFrontEnd):
                 self._drain_inbox(block=stalled or not core.has_unfinished_requests())
                 if self._stopping or not core.has_unfinished_requests():
                     continue
-                step_start_s = time.monotonic()
+                profile.mark()
                 outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
-                stats_start_s = time.monotonic()
+                profile.lap("step")
                 driver.snapshot(force=stalled or not core.has_unfinished_requests())
-                send_start_s = time.monotonic()
+                profile.lap("stats")
                 if outputs:
                     self._post(self._deliver, outputs)
-                profile.add("step", stats_start_s - step_start_s)
-                profile.add("stats", send_start_s - stats_start_s)
-                profile.add("send", time.monotonic() - send_start_s)
+                profile.lap("send")
                 profile.maybe_log()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop died")

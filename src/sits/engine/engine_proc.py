@@ -202,10 +202,9 @@ class _EngineProc:
                 self.drain(block=stalled or not core.has_unfinished_requests())
                 if self.stopping or not core.has_unfinished_requests():
                     continue
-                step_start_s = time.monotonic()
+                profile.mark()
                 outputs, stalled = self.driver.step()  # stalled: wait for a command
-                stats_start_s = time.monotonic()
-                profile.add("step", stats_start_s - step_start_s)
+                profile.lap("step")
                 idle = stalled or not core.has_unfinished_requests()
                 due = (
                     idle
@@ -214,11 +213,10 @@ class _EngineProc:
                     != (self.stats.num_running, self.stats.num_waiting)
                 )
                 stats = self.snapshot(force=idle) if due else None
-                send_start_s = time.monotonic()
-                profile.add("stats", send_start_s - stats_start_s)
+                profile.lap("stats")
                 if outputs or stats is not None:
                     self.out_conn.send(("step", outputs, stats))
-                profile.add("send", time.monotonic() - send_start_s)
+                profile.lap("send")
                 profile.maybe_log()
         except (EOFError, BrokenPipeError):
             logger.info("engine process: the server process is gone; exiting")

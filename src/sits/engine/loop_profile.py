@@ -1,8 +1,9 @@
 """`LoopProfile`: where the engine loop's time goes, logged at INFO every `period_s`.
 
 The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its own phases with
-`add`: "commands" (handling adds, finishes and calls), "step" (`EngineDriver.step`: the core
-step and the expert read), "stats" (snapshots) and "send" (handing outputs to the server).
+`add` (or `mark` then one `lap` per phase): "commands" (handling adds, finishes and calls),
+"step" (`EngineDriver.step`: the core step and the expert read), "stats" (snapshots) and
+"send" (handing outputs to the server).
 `maybe_log` reads the core's cumulative counters (`EngineCore.phase_s`: schedule, runner,
 update; steps, decode rows, prefill tokens, preemptions, wasted prefill tokens) and, once
 `period_s` has passed since the last line, logs the averages per step over that window
@@ -60,11 +61,22 @@ class LoopProfile:
         self._clock = clock
         self._loop_s = dict.fromkeys(LOOP_PHASES, 0.0)
         self._since_s = clock()
+        self._mark_s = self._since_s
         self._base = self._core_counters()
 
     def add(self, phase: str, seconds: float) -> None:
         """Add `seconds` to one of `LOOP_PHASES`."""
         self._loop_s[phase] += seconds
+
+    def mark(self) -> None:
+        """Start timing a run of phases (`lap`)."""
+        self._mark_s = self._clock()
+
+    def lap(self, phase: str) -> None:
+        """Add the time since the last `mark` or `lap` to `phase`, and mark now."""
+        now_s = self._clock()
+        self._loop_s[phase] += now_s - self._mark_s
+        self._mark_s = now_s
 
     def _core_counters(self) -> dict[str, float]:
         core = self.core

@@ -74,9 +74,9 @@ class SchedulerQueries:
         their protected slots and blocks take what finishing requests free, with no work
         thrown away. O(those tenants' waiting requests)."""
         due = []
-        for tenant in self._book.backlogged():
+        for tenant in self._book.tenants.values():
             policy = tenant.policy
-            if policy.tier is not TenantTier.GUARANTEED:
+            if policy.tier is not TenantTier.GUARANTEED or not len(tenant.queue):
                 continue
             if policy.ttft_ms is None:
                 due.append(policy.tenant_id)

@@ -122,12 +122,12 @@ class QosSettings:
 # oldest ones, whose first tokens came just after their limit (H200, 2026-11-30: 20 % of the
 # burstable tenant's requests met a 5 s TTFT while 35 % were served).
 FIRST_TOKEN_ALLOWANCE = 0.1
-# New over-quota work is refused at admission once the tenant's oldest queued request has
-# waited this share of its TTFT limit (`ServerQos.backlog_shed_reason`): as long as the engine
-# may still start that request (its start deadline), new work behind it may also make it in
-# time. Half the limit shed work that FCFS then served within its SLO (CPU bench: QoS/FCFS
-# 0.807 instead of 1.022).
-ADMISSION_WAIT_FRACTION = 1.0 - FIRST_TOKEN_ALLOWANCE
+# The share of the TTFT limit within which the engine must start such a request; also the wait
+# of the tenant's oldest queued request past which its new over-quota work is refused at
+# admission (`ServerQos.backlog_shed_reason`): as long as the engine may still start that
+# request, new work behind it may also make it in time. Refusing from half the limit shed work
+# that FCFS then served within its SLO (CPU bench: QoS/FCFS 0.807 instead of 1.022).
+START_WITHIN_SHARE = 1.0 - FIRST_TOKEN_ALLOWANCE
 
 
 class QosTicket:
@@ -167,7 +167,7 @@ class QosTicket:
         time meets the limit. None without a queue timeout."""
         if self.queue_timeout_s is None:
             return None
-        return (1.0 - FIRST_TOKEN_ALLOWANCE) * self.queue_timeout_s
+        return START_WITHIN_SHARE * self.queue_timeout_s
 
     @property
     def retry_after_s(self) -> int:
@@ -312,7 +312,7 @@ class ServerQos:
         """Why new over-quota work of a burstable or best-effort tenant is shed now, or None.
 
         Shed when the tenant's own oldest queued request has already waited longer than
-        `ADMISSION_WAIT_FRACTION` x its TTFT limit (`backlog_limit_s`), the engine's start
+        `START_WITHIN_SHARE` x its TTFT limit (`backlog_limit_s`), the engine's start
         deadline (`QosTicket.start_within_s`): a new request would wait about as long (its
         queue is served oldest deadline first), so it would only be dropped after queueing.
         """
@@ -327,12 +327,12 @@ class ServerQos:
         if own is None or own.oldest_arrival_s is None:
             return None
         waited_s = self.clock.monotonic() - own.oldest_arrival_s
-        admit_s = ADMISSION_WAIT_FRACTION * limit_s
+        admit_s = START_WITHIN_SHARE * limit_s
         if waited_s <= admit_s:
             return None
         return (
             f"its queued work has waited {waited_s:.1f} s, over {admit_s:g} s "
-            f"({ADMISSION_WAIT_FRACTION:g} x its {limit_s:g} s TTFT limit)"
+            f"({START_WITHIN_SHARE:g} x its {limit_s:g} s TTFT limit)"
         )
 
     def would_borrow(self, tenant: TenantConfig) -> bool:
