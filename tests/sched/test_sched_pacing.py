@@ -107,6 +107,34 @@ def test_pacer_budget_follows_the_tightest_token_schedule() -> None:
     assert pacer.max_prefill_tokens(1.0, [gold]) is None  # no schedule for it any more
 
 
+def test_pacer_budget_fills_the_largest_bucket_that_fits_less_the_decodes() -> None:
+    def decoding(request_id: str, tenant_id: str):
+        request = make_request(request_id, [1, 2, 3], tenant_id=tenant_id)
+        request.append_output_token(9)
+        request.num_computed_tokens = 3  # the prompt is in the cache: the next step decodes it
+        return request
+
+    gold, other = decoding("g", "gold"), decoding("o", "free")
+    waiting = make_request("w", [1, 2, 3], tenant_id="gold")  # no KV yet: not a decode
+    pacer = TpotPacer(
+        {"gold": 0.05}, 8192, target_fraction=1.0, token_buckets=(1024, 2048, 2560, 4096)
+    )
+    pacer.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
+    pacer.model = _model()
+    assert [pacer.padded_tokens(n) for n in (1, 1024, 1025, 4096, 5000)] == [
+        1024, 1024, 2048, 4096, 5000
+    ]
+    # 50 ms of slack fit (0.05 - 0.02) / 1e-5 = 3000 tokens: the 2560 bucket, less 2 decodes.
+    assert pacer.max_prefill_tokens(0.0, [gold, other, waiting]) == 2558
+    assert pacer.max_prefill_tokens(0.015, [gold, other]) == 1022  # 1500: the 1024 bucket
+    assert pacer.max_prefill_tokens(0.025, [gold, other]) == 0  # 500 tokens: no bucket fits
+    pacer.token_buckets = (256, 1024)
+    assert pacer.max_prefill_tokens(0.0, [gold, other]) == 2998  # past the last bucket: unpadded
+    pacer.token_buckets = ()
+    assert pacer.max_prefill_tokens(0.015, [gold, other]) == 1498
+    assert pacer.padded_tokens(1025) == 1025
+
+
 def test_pacer_leaves_out_what_it_cannot_help_and_waits_for_a_model() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
     gold.append_output_token(9)

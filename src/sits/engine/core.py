@@ -157,6 +157,7 @@ class EngineCore:
             {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},
             config.max_num_batched_tokens,
             target_fraction=config.tpot_pacing_fraction,
+            token_buckets=self.runner.step_token_buckets,
         )
         self._rescue_tenants = ttft_rescue_tenants(tenant_policies)
         self._has_tenants = bool(tenant_policies)
@@ -321,8 +322,9 @@ class EngineCore:
                     chunks.append((end_s, sr.num_tokens))
         self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
         if self.pacer.enabled and plan.scheduled:
+            step_tokens = len(plan.scheduled) - len(prefills) + num_prefill_tokens
             self.pacer.observe_step(
-                num_prefill_tokens,
+                self.pacer.padded_tokens(step_tokens) if prefills else 0,
                 end_s - start_s,
                 end_s,
                 (out.request_id for out in outputs if out.new_token_ids),

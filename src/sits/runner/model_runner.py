@@ -195,6 +195,12 @@ class ModelRunner:
             self.mixed_graphs.token_buckets if self.mixed_graphs else "off",
         )
 
+    @property
+    def step_token_buckets(self) -> tuple[int, ...]:
+        """Token counts a step with prompt tokens is padded to (its mixed-step CUDA graph),
+        ascending; empty when such steps run eagerly, unpadded."""
+        return tuple(self.mixed_graphs.token_buckets) if self.mixed_graphs else ()
+
     def _moe_backend_name(self) -> str:
         for module in self.model.modules():
             backend = getattr(module, "moe_backend", None)

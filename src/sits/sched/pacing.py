@@ -26,8 +26,15 @@ left the paced tenant's own new prompts queued for seconds (H200, bench/RESULTS.
 
 Step times come from `StepTimeModel`: an exponential moving average of decode-only steps and
 an online least-squares line (exponentially weighted means of x, y, x^2 and x*y) of mixed
-steps' seconds against their prefill tokens; once a kind has a few samples, a step far slower
-than predicted (a one-off stall) is clipped. Until both kinds were observed, pacing is off.
+steps' seconds against the tokens they ran (decodes + prompt tokens, padded to the step's CUDA
+graph bucket); once a kind has a few samples, a step far slower than predicted (a one-off stall)
+is clipped. Until both kinds were observed, pacing is off.
+
+A mixed step replays the CUDA graph of the smallest token bucket that holds it
+(`TpotPacer.token_buckets`) and costs about what a full bucket costs, so the budget is the
+largest bucket that fits the slack, less the decodes the step carries: a budget cut between two
+buckets ran the padding for nothing (H200: 218 decodes + 837 prompt tokens ran as 1,280 tokens
+while a full FCFS batch of 256 fitted the same bucket; bench/RESULTS.md, 2026-11-30).
 
 Invariants: `max_prefill_tokens` returns None (no limit) or an int in [0,
 max_num_batched_tokens]; it reads no clock (the caller passes the time).
@@ -36,6 +43,7 @@ max_num_batched_tokens]; it reads no clock (the caller passes the time).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -59,7 +67,7 @@ def ttft_rescue_tenants(policies: Iterable[TenantPolicy]) -> frozenset[str]:
 
 
 class StepTimeModel:
-    """Predicts a step's wall seconds from its prefill tokens (see the module docstring).
+    """Predicts a step's wall seconds from the tokens it runs (see the module docstring).
 
     Args:
         alpha: weight of a new observation in the moving averages, in (0, 1].
@@ -91,18 +99,19 @@ class StepTimeModel:
         self.decode_s: float | None = None  # EMA of decode-only steps, seconds
         self._moments: list[float] | None = None  # EMAs of x, y, x*x, x*y of mixed steps
 
-    def observe(self, num_prefill_tokens: int, step_s: float) -> None:
-        """Take one step: its prefill tokens (0 for a decode-only step) and wall seconds.
+    def observe(self, num_tokens: int, step_s: float) -> None:
+        """Take one step: the tokens a step with prompt tokens ran (padded; 0 for a decode-only
+        step) and its wall seconds.
 
         Once `min_samples` steps of its kind were seen, a step over `outlier_factor` x the
         prediction counts as that bound: a one-off stall (a kernel compiled for a new shape,
         a garbage collection) moves the averages only as much as a slow step could.
         """
         a = self.alpha
-        is_decode = num_prefill_tokens == 0
+        is_decode = num_tokens == 0
         seen = self.num_decode_samples if is_decode else self.num_mixed_samples
         if seen >= self.min_samples:  # then the kind has a prediction
-            predicted = self._predicted(num_prefill_tokens)
+            predicted = self._predicted(num_tokens)
             if predicted is not None and predicted > 0:
                 step_s = min(step_s, self.outlier_factor * predicted)
         if is_decode:
@@ -112,20 +121,20 @@ class StepTimeModel:
             )
             return
         self.num_mixed_samples += 1
-        x = float(num_prefill_tokens)
+        x = float(num_tokens)
         sample = (x, step_s, x * x, x * step_s)
         if self._moments is None:
             self._moments = list(sample)
         else:
             self._moments = [a * s + (1 - a) * m for s, m in zip(sample, self._moments)]
 
-    def _predicted(self, num_prefill_tokens: int) -> float | None:
-        if num_prefill_tokens == 0:
+    def _predicted(self, num_tokens: int) -> float | None:
+        if num_tokens == 0:
             return self.decode_s
         if self._moments is None:
             return None
         intercept, slope = self.mixed_line()
-        return intercept + slope * num_prefill_tokens
+        return intercept + slope * num_tokens
 
     @property
     def ready(self) -> bool:
@@ -133,7 +142,7 @@ class StepTimeModel:
         return self.decode_s is not None and self._moments is not None
 
     def mixed_line(self) -> tuple[float, float]:
-        """(intercept seconds, seconds per prefill token) of mixed steps.
+        """(intercept seconds, seconds per token) of mixed steps.
 
         Without spread in the observed token counts the line goes through the origin and the
         mean; the slope is never negative and the intercept never below 0.
@@ -152,13 +161,14 @@ class StepTimeModel:
                 return intercept, slope
         return 0.0, mean_y / mean_x
 
-    def predict(self, num_prefill_tokens: int) -> float:
-        """Predicted seconds of a step with this many prefill tokens (0: decode-only).
+    def predict(self, num_tokens: int) -> float:
+        """Predicted seconds of a step with prompt tokens that runs this many tokens (0: a
+        decode-only step).
 
         Raises:
             RuntimeError: the model is not `ready`.
         """
-        predicted = self._predicted(num_prefill_tokens) if self.ready else None
+        predicted = self._predicted(num_tokens) if self.ready else None
         if predicted is None:
             raise RuntimeError("step time model not ready")
         return predicted
@@ -181,6 +191,8 @@ class TpotPacer:
             at most 40.06 ms over 1,733 requests, so 10 % is ample margin, while every
             point of it costs decode batch size, hence throughput.
         model: the step-time model, fed by the engine after each step.
+        token_buckets: token counts a step with prompt tokens is padded to (the runner's
+            mixed-step CUDA graphs), ascending; empty: such steps run unpadded.
     """
 
     tpot_s_by_tenant: Mapping[str, float]
@@ -188,6 +200,7 @@ class TpotPacer:
     min_chunk_tokens: int = 16
     target_fraction: float = 0.9
     model: StepTimeModel | None = None
+    token_buckets: tuple[int, ...] = ()
     _first_token_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +211,13 @@ class TpotPacer:
         if self.model is None:
             self.model = StepTimeModel()
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The tokens a step with prompt tokens runs: the smallest bucket >= num_tokens, or
+        num_tokens itself past the largest bucket or without buckets."""
+        buckets = self.token_buckets
+        i = bisect_left(buckets, num_tokens)
+        return buckets[i] if i < len(buckets) else num_tokens
+
     @property
     def enabled(self) -> bool:
         """True when some tenant has a TPOT SLO."""
@@ -205,7 +225,7 @@ class TpotPacer:
 
     def observe_step(
         self,
-        num_prefill_tokens: int,
+        num_tokens: int,
         step_s: float,
         end_s: float,
         sampled_ids: Iterable[str],
@@ -214,14 +234,15 @@ class TpotPacer:
         """After a step: feed the model and note first tokens and finished requests.
 
         Args:
-            num_prefill_tokens: prompt (or recomputed) tokens the step computed.
+            num_tokens: 0 for a decode-only step, else the tokens it ran (decodes + prompt
+                or recomputed tokens, padded: `padded_tokens`).
             step_s: the step's wall seconds (model run and scheduling).
             end_s: time.monotonic() when its tokens were produced.
             sampled_ids: ids of the requests that got a token in the step.
             finished_ids: requests that ended in the step (forgotten).
         """
         assert self.model is not None
-        self.model.observe(num_prefill_tokens, step_s)
+        self.model.observe(num_tokens, step_s)
         for request_id in sampled_ids:
             self._first_token_s.setdefault(request_id, end_s)
         self.forget(finished_ids)
@@ -234,6 +255,9 @@ class TpotPacer:
     def max_prefill_tokens(self, now_s: float, running: Iterable[Request]) -> int | None:
         """Prefill tokens the next step may take, or None for no limit.
 
+        The step may run the largest token bucket whose predicted time fits the tightest
+        slack; its prompt tokens are that less the decodes of the running requests.
+
         Args:
             now_s: time.monotonic() now.
             running: the running requests (a schedule over a token late is rebased).
@@ -243,7 +267,9 @@ class TpotPacer:
             return None
         decode_s = model.predict(0)
         slack_s = math.inf
+        num_decodes = 0
         for request in running:
+            num_decodes += request.num_tokens - request.num_computed_tokens == 1
             slo_s = self.tpot_s_by_tenant.get(request.tenant_id)
             first_s = self._first_token_s.get(request.request_id)
             if slo_s is None or first_s is None:
@@ -261,5 +287,9 @@ class TpotPacer:
         intercept, slope = model.mixed_line()
         if slope <= 0 or slack_s <= intercept:
             return 0
-        budget = min(int((slack_s - intercept) / slope), self.max_num_batched_tokens)
+        num_tokens = int((slack_s - intercept) / slope)
+        if self.token_buckets and num_tokens < self.token_buckets[-1]:
+            i = bisect_right(self.token_buckets, num_tokens)
+            num_tokens = self.token_buckets[i - 1] if i else 0
+        budget = min(num_tokens - num_decodes, self.max_num_batched_tokens)
         return budget if budget >= self.min_chunk_tokens else 0
