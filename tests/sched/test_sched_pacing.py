@@ -121,9 +121,8 @@ def test_pacer_budget_fills_the_largest_bucket_that_fits_less_the_decodes() -> N
     )
     pacer.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
     pacer.model = _model()
-    assert [pacer.padded_tokens(n) for n in (1, 1024, 1025, 4096, 5000)] == [
-        1024, 1024, 2048, 4096, 5000
-    ]
+    padded = [pacer.padded_tokens(n) for n in (1, 1024, 1025, 4096, 5000)]
+    assert padded == [1024, 1024, 2048, 4096, 5000]
     # 50 ms of slack fit (0.05 - 0.02) / 1e-5 = 3000 tokens: the 2560 bucket, less 2 decodes.
     assert pacer.max_prefill_tokens(0.0, [gold, other, waiting]) == 2558
     assert pacer.max_prefill_tokens(0.015, [gold, other]) == 1022  # 1500: the 1024 bucket
