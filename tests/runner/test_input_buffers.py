@@ -187,8 +187,8 @@ def test_token_padding_only_batch_for_mixed_graph_capture() -> None:
 
 
 def test_mixed_token_buckets() -> None:
-    assert mixed_token_buckets(2048) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert mixed_token_buckets(2048) == [64, 128, 256, *range(512, 2048 + 1, 128)]
     assert mixed_token_buckets(4096) == mixed_token_buckets(2048) + [2560, 3072, 3584, 4096]
-    assert mixed_token_buckets(1000) == [64, 128, 256, 512, 768, 1000]
+    assert mixed_token_buckets(1000) == [64, 128, 256, 512, 640, 768, 896, 1000]
     assert mixed_token_buckets(300) == [64, 128, 256, 300]
     assert mixed_token_buckets(64) == [64] and mixed_token_buckets(16) == [16]
