@@ -79,7 +79,7 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
 
     proc = object.__new__(engine_proc._EngineProc)
     proc.cmd_conn = Inbox([("add", f"r{i}") for i in range(200)])
-    proc.out = Outbox()
+    proc.out_conn = Outbox()
     proc.stopping = False
     proc.core = type("Core", (), {"has_unfinished_requests": lambda self: True})()
     handled: list[tuple] = []
@@ -96,7 +96,7 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
     proc.drain(block=False)
     assert len(handled) == 64  # stopped at the bound...
     assert timed == [("commands", 64 / 1024)]  # the loop profile got the drain's time
-    assert proc.out.messages == [("stats", "snapshot")]  # ...and reported, then steps
+    assert proc.out_conn.messages == [("stats", "snapshot")]  # ...and reported, then steps
     proc.drain(block=False)
     assert len(handled) == 2 * 64  # the rest waits for the next drain
     assert handled == [("add", f"r{i}") for i in range(len(handled))]

@@ -42,7 +42,6 @@ from sits.core.errors import SitsError
 from sits.engine.async_llm import _IDLE_WAIT_S, EngineStats
 from sits.engine.driver import EngineDriver, force_after_commands
 from sits.engine.loop_profile import LoopProfile
-from sits.engine.pipe_sender import PipeSender
 from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
 from sits.sched.config import TenantPolicy
 
@@ -145,11 +144,10 @@ def run_engine_proc(
     frozen = freeze_startup_heap()  # the engine is built: none of it is garbage
     logger.info("froze %d startup objects out of garbage collection", frozen)
     pauses = GcPauseMonitor(where="engine").install()
-    proc.out.send(("ready", proc.info, proc.stats))
+    out_conn.send(("ready", proc.info, proc.stats))
     try:
         proc.run()
     finally:
-        proc.out.close()  # write what the loop queued (its last outputs, a "died")
         pauses.close()
         gc.unfreeze()  # exit with a collectable heap (extensions report frozen objects as leaks)
 
@@ -160,8 +158,7 @@ def _send_quietly(conn: Connection, message: tuple) -> None:
 
 
 class _EngineProc:
-    """The child's engine and its step loop (one thread; a second writes the outbound pipe:
-    `PipeSender`)."""
+    """The child's engine and its step loop (one thread)."""
 
     def __init__(
         self,
@@ -181,7 +178,7 @@ class _EngineProc:
         self.core = parts.core
         self.info = parts.info
         self.cmd_conn = cmd_conn
-        self.out = PipeSender(out_conn)  # pickles and writes while the GPU works
+        self.out_conn = out_conn
         self.stopping = False
         self.driver = EngineDriver(
             parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
@@ -218,15 +215,14 @@ class _EngineProc:
                 stats = self.snapshot(force=idle) if due else None
                 profile.lap("stats")
                 if outputs or stats is not None:
-                    self.out.send(("step", outputs, stats))
+                    self.out_conn.send(("step", outputs, stats))
                 profile.lap("send")
                 profile.maybe_log()
         except (EOFError, BrokenPipeError):
             logger.info("engine process: the server process is gone; exiting")
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine loop died")
-            with contextlib.suppress(BrokenPipeError, RuntimeError):  # the parent is gone
-                self.out.send(("died", pack_error(exc)))
+            _send_quietly(self.out_conn, ("died", pack_error(exc)))
             raise SystemExit(1) from None
 
     def drain(self, block: bool) -> None:
@@ -237,7 +233,7 @@ class _EngineProc:
         conn = self.cmd_conn
         if not conn.poll(_IDLE_WAIT_S if block else 0):
             if block:
-                self.out.send(("beat",))
+                self.out_conn.send(("beat",))
             return
         start_s = time.monotonic()
         deadline_s = start_s + MAX_DRAIN_S
@@ -245,7 +241,7 @@ class _EngineProc:
             self.handle(conn.recv())
             if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
                 break
-        self.out.send(("stats", self.snapshot(force=force_after_commands(block, self.core))))
+        self.out_conn.send(("stats", self.snapshot(force=force_after_commands(block, self.core))))
         self.profile.add("commands", time.monotonic() - start_s)
 
     def handle(self, command: tuple) -> None:
@@ -258,7 +254,7 @@ class _EngineProc:
                     core.add_request(child)
             except SitsError as exc:  # a request that can never be served; not a loop failure
                 core.finish_requests([c.request_id for c in children])
-                self.out.send(("add_failed", request_id, pack_error(exc)))
+                self.out_conn.send(("add_failed", request_id, pack_error(exc)))
         elif kind == "finish":
             _, ids, reason, stop_reason = command
             core.finish_requests(ids, reason, stop_reason)
@@ -273,8 +269,8 @@ class _EngineProc:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 message = ("result", call_id, False, pack_error(exc))
             # Stats first: once the caller has its result, stats() shows the call's effect.
-            self.out.send(("stats", self.snapshot(force=False)))
-            self.out.send(message)
+            self.out_conn.send(("stats", self.snapshot(force=False)))
+            self.out_conn.send(message)
         elif kind == "stop":
             self.stopping = True
 
