@@ -23,10 +23,14 @@ def tiny_moe_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_factory() -> Callable[..., Callable[[], Any]]:
-    """`factory(model_dir, health_timeout_s=10, **config) -> make_engine` for LiveServer."""
+    """`factory(model_dir, health_timeout_s=10, step_timeout_s=60, **config) -> make_engine`
+    for LiveServer."""
 
     def factory(
-        model_dir: Path, health_timeout_s: float = 10.0, **config: Any
+        model_dir: Path,
+        health_timeout_s: float = 10.0,
+        step_timeout_s: float = 60.0,
+        **config: Any,
     ) -> Callable[[], Any]:
         def make_engine() -> Any:
             from sits.engine.async_llm import AsyncLLM
@@ -38,7 +42,9 @@ def engine_factory() -> Callable[..., Callable[[], Any]]:
             }
             kwargs.update(config)
             return AsyncLLM(
-                EngineConfig(model=str(model_dir), **kwargs), health_timeout_s=health_timeout_s
+                EngineConfig(model=str(model_dir), **kwargs),
+                health_timeout_s=health_timeout_s,
+                step_timeout_s=step_timeout_s,
             )
 
         return make_engine

@@ -34,9 +34,10 @@ def test_serve_flags_map_to_the_engine_config() -> None:
             "--max-num-batched-tokens", "256", "--block-size", "32", "--dtype", "float32",
             "--kv-cache-memory-bytes", "1000000", "--gpu-memory-utilization", "0.5",
             "--seed", "7", "--no-enable-prefix-caching", "--shutdown-timeout", "2.5",
-            "--tpot-pacing-fraction", "0.95",
+            "--tpot-pacing-fraction", "0.95", "--engine-step-timeout", "300",
         ]
     )  # fmt: skip
+    assert args.engine_step_timeout == 300.0 and _parse([]).engine_step_timeout == 60.0
     config = EngineConfig(**engine_config_kwargs(args, args.model))
     assert (config.model, config.model_name, config.max_model_len) == ("/m", "tiny", 512)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (4, 256, 32)
@@ -59,7 +60,8 @@ def test_serve_flags_map_to_the_engine_config() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--port", "99999"], ["--port", "-1"], ["--port", "x"], ["--shutdown-timeout", "-1"],
-     ["--shutdown-timeout", "nan"]],
+     ["--shutdown-timeout", "nan"], ["--engine-step-timeout", "0"],
+     ["--engine-step-timeout", "inf"]],
 )  # fmt: skip
 def test_bad_port_or_timeout_is_refused_before_any_model_work(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

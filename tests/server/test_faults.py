@@ -69,7 +69,7 @@ def test_c17_engine_loop_hang(tiny_moe_dir, engine_factory) -> None:
         release.wait(30)
         return []
 
-    make_engine = engine_factory(tiny_moe_dir, health_timeout_s=1.0)
+    make_engine = engine_factory(tiny_moe_dir, health_timeout_s=1.0, step_timeout_s=1.0)
     try:
         with LiveServer(make_engine) as live, live.http() as http:
             body = {**LONG_STREAM, "stream": False}
@@ -92,9 +92,48 @@ def test_c17_engine_loop_hang(tiny_moe_dir, engine_factory) -> None:
             assert results[0].json()["error"]["code"] == "engine_dead"
             _assert_refused(live, "engine_dead")
             assert live.fatal_codes == [1]
+            assert "over the step timeout of 1 s" in str(live.engine.dead_error)
             release.set()  # let the engine thread go before the server shuts it down
     finally:
         release.set()
+
+
+def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
+    """One step of 2.5 s (a big prompt chunk on a CPU) with a 1 s health timeout: the server
+    stays healthy and the request completes, because the step is within its 30 s bound."""
+    make_engine = engine_factory(tiny_moe_dir, health_timeout_s=1.0, step_timeout_s=30.0)
+    with LiveServer(make_engine) as live, live.http() as http:
+        core = live.engine.engine_core
+        step = core.step
+        slow = threading.Event()
+
+        def slow_once() -> list:
+            if not slow.is_set():
+                slow.set()
+                threading.Event().wait(2.5)
+            return step()
+
+        core.step = slow_once
+        health: list[int] = []
+        done = threading.Event()
+
+        def poll_health() -> None:
+            with live.http() as own:  # a client per thread
+                while not done.wait(0.2):
+                    health.append(own.get("/health").status_code)
+
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        try:
+            body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+            resp = http.post("/v1/completions", json=body)
+        finally:
+            done.set()
+            poller.join(5)
+        assert slow.is_set()
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+        assert len(health) >= 8 and set(health) == {200}  # polled through the 2.5 s step
+        assert live.engine.is_healthy() and live.fatal_codes == []
 
 
 def test_api_key(tiny_moe_dir, engine_factory) -> None:

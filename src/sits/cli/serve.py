@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from sits.tenancy import TenantsConfig
@@ -158,6 +159,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "process and a pipe hop per step (default off)",
     )
     p.add_argument(
+        "--engine-step-timeout",
+        type=_positive_seconds,
+        default=ENGINE_STEP_TIMEOUT_S,
+        metavar="S",
+        help="seconds one engine step may run before the engine counts as hung: /health "
+        "turns 503 and open requests fail (default %(default)g, as vLLM's "
+        "VLLM_ENGINE_ITERATION_TIMEOUT_S). Raise it for a large model on a CPU, where one "
+        "prompt chunk of --max-num-batched-tokens may take longer. Between steps the loop "
+        "must still turn within 10 s",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=_gpu_price,
         default=30.0,
@@ -192,6 +204,14 @@ def _gpu_price(value: str) -> float:
     if not (math.isfinite(price) and price >= 0):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r}")
     return price
+
+
+def _positive_seconds(value: str) -> float:
+    """argparse type of --engine-step-timeout: a finite number of seconds > 0."""
+    seconds = _gpu_price(value)
+    if seconds == 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value!r}")
+    return seconds
 
 
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -320,6 +340,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_class = AsyncMPLLM if args.engine_process else AsyncLLM
         engine = engine_class(
             config,
+            step_timeout_s=args.engine_step_timeout,
             tenant_policies=tenant_policies_of(tenants),
             expert_freeze_after=args.expert_freeze_after,
             restore_frozen_experts=args.restore_frozen_experts,

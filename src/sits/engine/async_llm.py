@@ -44,6 +44,7 @@ from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
 from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
@@ -129,8 +130,10 @@ class AsyncLLM(RequestFrontEnd):
 
     Args:
         config: engine configuration.
-        health_timeout_s: the engine counts as unhealthy when its loop has not completed an
-            iteration for this many seconds (a hung step).
+        health_timeout_s: the engine counts as unhealthy when its loop has not turned for
+            this many seconds between steps (`hung_loop_error`).
+        step_timeout_s: ... or when one step has run this many seconds (a hung step; a long
+            one, such as a big prompt chunk on a CPU, stays healthy until then).
         tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`);
             () for plain FCFS.
         expert_freeze_after: consecutive anomalous (non-finite output) checks that freeze an
@@ -146,6 +149,7 @@ class AsyncLLM(RequestFrontEnd):
         config: EngineConfig,
         *,
         health_timeout_s: float = 10.0,
+        step_timeout_s: float = ENGINE_STEP_TIMEOUT_S,
         tenant_policies: tuple[TenantPolicy, ...] = (),
         expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
         restore_frozen_experts: bool = False,
@@ -158,6 +162,7 @@ class AsyncLLM(RequestFrontEnd):
         self.max_model_len = parts.info.max_model_len
         self.model_name = config.model_name
         self.health_timeout_s = health_timeout_s
+        self.step_timeout_s = step_timeout_s
         self.errored = False
         self.dead_error: BaseException | None = None
         self._processor = OutputProcessor(self.tokenizer)
@@ -165,6 +170,7 @@ class AsyncLLM(RequestFrontEnd):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._heartbeat_s = time.monotonic()
+        self._step_started_s: float | None = None
         self._driver = EngineDriver(
             parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
         )
@@ -176,10 +182,20 @@ class AsyncLLM(RequestFrontEnd):
     # generate / abort: `RequestFrontEnd`.
 
     def is_healthy(self) -> bool:
-        """True while the engine thread is alive and its loop keeps turning."""
+        """True while the engine thread is alive and its loop keeps turning (a step within
+        `step_timeout_s`); a hung loop's reason becomes `dead_error`."""
         if self.errored or self._stopping or not self._thread.is_alive():
             return False
-        return time.monotonic() - self._heartbeat_s < self.health_timeout_s
+        error = hung_loop_error(
+            time.monotonic(),
+            self._heartbeat_s,
+            self._step_started_s,
+            self.health_timeout_s,
+            self.step_timeout_s,
+        )
+        if error is not None and self.dead_error is None:
+            self.dead_error = error
+        return error is None
 
     def stats(self) -> EngineStats:
         """The latest load snapshot."""
@@ -291,7 +307,10 @@ class AsyncLLM(RequestFrontEnd):
                 if self._stopping or not core.has_unfinished_requests():
                     continue
                 profile.mark()
+                self._step_started_s = time.monotonic()
                 outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
+                self._heartbeat_s = time.monotonic()  # before the step ends for is_healthy
+                self._step_started_s = None
                 profile.lap("step")
                 driver.snapshot(force=stalled or not core.has_unfinished_requests())
                 profile.lap("stats")

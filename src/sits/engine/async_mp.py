@@ -41,6 +41,7 @@ from sits.engine.async_llm import EngineStats
 from sits.engine.core import PrefillChunk
 from sits.engine.engine_proc import PackedError, run_engine_proc, unpack_error
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
 from sits.engine.output_processor import OutputProcessor
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
@@ -57,8 +58,11 @@ class AsyncMPLLM(RequestFrontEnd):
 
     Args:
         config: engine configuration.
-        health_timeout_s: unhealthy when the child has sent nothing (outputs, stats or its
-            idle heartbeat) for this many seconds (a hung step).
+        health_timeout_s: unhealthy when, between steps, the child has neither sent anything
+            (outputs, stats or its idle heartbeat) nor turned its loop for this many seconds
+            (`hung_loop_error`).
+        step_timeout_s: ... or when one step has run this many seconds (a hung step; a long
+            one, such as a big prompt chunk on a CPU, stays healthy until then).
         tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`).
         expert_freeze_after: as `AsyncLLM`.
         restore_frozen_experts: as `AsyncLLM`.
@@ -74,6 +78,7 @@ class AsyncMPLLM(RequestFrontEnd):
         config: EngineConfig,
         *,
         health_timeout_s: float = 10.0,
+        step_timeout_s: float = ENGINE_STEP_TIMEOUT_S,
         tenant_policies: tuple[TenantPolicy, ...] = (),
         expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
         restore_frozen_experts: bool = False,
@@ -81,6 +86,7 @@ class AsyncMPLLM(RequestFrontEnd):
         self.config = config
         self.model_name = config.model_name
         self.health_timeout_s = health_timeout_s
+        self.step_timeout_s = step_timeout_s
         self.errored = False
         self.dead_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,11 +98,14 @@ class AsyncMPLLM(RequestFrontEnd):
         ctx = multiprocessing.get_context("spawn")
         cmd_reader, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_writer = ctx.Pipe(duplex=False)
+        # The child's loop times, shared: (step start or 0 between steps, last loop turn).
+        self._loop_times = ctx.Array("d", 2)
         self._proc = ctx.Process(
             target=run_engine_proc,
             args=(
                 cmd_reader,
                 out_writer,
+                self._loop_times,
                 config,
                 tuple(tenant_policies),
                 expert_freeze_after,
@@ -133,10 +142,23 @@ class AsyncMPLLM(RequestFrontEnd):
         return self._proc.pid
 
     def is_healthy(self) -> bool:
-        """True while the engine process is alive and reports in (cheap, never blocks)."""
+        """True while the engine process is alive and its loop keeps turning (a step within
+        `step_timeout_s`); cheap, never blocks for long. A hung loop's reason becomes
+        `dead_error`."""
         if self.errored or self._stopping or not self._reader.is_alive():
             return False
-        return time.monotonic() - self._heartbeat_s < self.health_timeout_s
+        with self._loop_times.get_lock():
+            step_started_s, turned_s = self._loop_times[:]
+        error = hung_loop_error(
+            time.monotonic(),
+            max(self._heartbeat_s, turned_s),
+            step_started_s or None,
+            self.health_timeout_s,
+            self.step_timeout_s,
+        )
+        if error is not None and self.dead_error is None:
+            self.dead_error = error
+        return error is None
 
     def stats(self) -> EngineStats:
         """The latest load snapshot the engine process sent."""

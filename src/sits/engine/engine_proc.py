@@ -118,6 +118,7 @@ def unpack_error(packed: PackedError) -> BaseException:
 def run_engine_proc(
     cmd_conn: Connection,
     out_conn: Connection,
+    loop_times: Any,
     config: EngineConfig,
     tenant_policies: tuple[TenantPolicy, ...],
     expert_freeze_after: int,
@@ -125,7 +126,9 @@ def run_engine_proc(
     log_level: int,
 ) -> None:
     """Child process entry: build the engine, report ("ready" or "startup_error"), then run
-    the step loop until ("stop",) or the parent goes away."""
+    the step loop until ("stop",) or the parent goes away. `loop_times` is a shared
+    `multiprocessing.Array("d", 2)` the loop keeps at (start of the running step or 0, last
+    turn of the loop), in time.monotonic() seconds, for the parent's health check."""
     # The parent owns shutdown: a Ctrl-C or a SIGTERM sent to the whole process group (as
     # `systemctl stop` does) must not kill the engine under the parent's draining requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -134,7 +137,13 @@ def run_engine_proc(
     logging.getLogger("sits").setLevel(log_level)
     try:
         proc = _EngineProc(
-            cmd_conn, out_conn, config, tenant_policies, expert_freeze_after, restore_frozen_experts
+            cmd_conn,
+            out_conn,
+            config,
+            tenant_policies,
+            expert_freeze_after,
+            restore_frozen_experts,
+            loop_times,
         )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent's constructor
         if not isinstance(exc, SitsError):  # a user error is reported by the parent alone
@@ -168,6 +177,7 @@ class _EngineProc:
         tenant_policies: tuple[TenantPolicy, ...],
         expert_freeze_after: int,
         restore_frozen_experts: bool,
+        loop_times: Any = None,
     ) -> None:
         import dataclasses
 
@@ -185,11 +195,20 @@ class _EngineProc:
         )
         self.stats_time_s = time.monotonic()
         self.profile = LoopProfile(parts.core)
+        self.loop_times = loop_times
 
     @property
     def stats(self) -> EngineStats:
         """The latest snapshot."""
         return self.driver.stats
+
+    def mark_loop(self, step_started_s: float) -> None:
+        """Publish the loop's times (`run_engine_proc`): the running step's start (0: none)
+        and now as its last turn."""
+        times = self.loop_times
+        if times is not None:
+            with times.get_lock():
+                times[:] = (step_started_s, time.monotonic())
 
     def run(self) -> None:
         """The step loop (see the module docstring); sends ("died", ...) when it fails."""
@@ -199,11 +218,14 @@ class _EngineProc:
         stalled = False
         try:
             while not self.stopping:
+                self.mark_loop(0.0)
                 self.drain(block=stalled or not core.has_unfinished_requests())
                 if self.stopping or not core.has_unfinished_requests():
                     continue
                 profile.mark()
+                self.mark_loop(time.monotonic())
                 outputs, stalled = self.driver.step()  # stalled: wait for a command
+                self.mark_loop(0.0)
                 profile.lap("step")
                 idle = stalled or not core.has_unfinished_requests()
                 due = (

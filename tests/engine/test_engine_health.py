@@ -1,0 +1,88 @@
+"""Engine health: a long step is not a hung loop; both front ends and the engine process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+from sits.engine import engine_proc
+from sits.engine.async_mp import AsyncMPLLM
+from sits.engine.health import hung_loop_error
+
+
+def test_hung_loop_error_bounds_a_step_and_the_time_between_steps() -> None:
+    # Between steps: the loop must turn within the health timeout (10 s).
+    assert hung_loop_error(100.0, 90.5, None, 10.0, 60.0) is None
+    error = hung_loop_error(100.0, 90.0, None, 10.0, 60.0)
+    assert "has not turned for 10.0 s between steps (health timeout 10 s)" in str(error)
+    # Inside a step: the step's own start counts, up to the step timeout (60 s).
+    assert hung_loop_error(100.0, 0.0, 40.5, 10.0, 60.0) is None  # 59.5 s into one step
+    error = hung_loop_error(100.0, 99.0, 40.0, 10.0, 60.0)
+    assert "has run for 60.0 s, over the step timeout of 60 s (--engine-step-timeout)" in str(error)
+
+
+def _parent(loop_times, heartbeat_s: float) -> AsyncMPLLM:
+    """An AsyncMPLLM's health side alone (no child process)."""
+    engine = object.__new__(AsyncMPLLM)
+    engine.errored = engine._stopping = False
+    engine.dead_error = None
+    engine.health_timeout_s, engine.step_timeout_s = 1.0, 30.0
+    engine._heartbeat_s = heartbeat_s
+    engine._loop_times = loop_times
+    engine._reader = threading.current_thread()  # alive
+    return engine
+
+
+def test_engine_process_health_reads_the_childs_loop_times(monkeypatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("sits.engine.async_mp.time.monotonic", lambda: clock[0])
+    times = multiprocessing.get_context("spawn").Array("d", 2)
+    engine = _parent(times, heartbeat_s=990.0)  # nothing received for 10 s...
+    times[:] = (995.0, 995.0)  # ...but the child is 5 s into one step
+    assert engine.is_healthy()
+    times[:] = (0.0, 999.5)  # between steps, its loop turned 0.5 s ago
+    assert engine.is_healthy()
+    times[:] = (0.0, 998.0)  # between steps and silent for 2 s: hung
+    assert not engine.is_healthy()
+    assert "between steps" in str(engine.dead_error)
+    engine = _parent(times, heartbeat_s=999.9)  # a message just arrived: it counts as a turn
+    assert engine.is_healthy()
+    times[:] = (969.0, 999.0)  # a step of 31 s
+    assert not engine.is_healthy()
+    assert "over the step timeout of 30 s" in str(engine.dead_error)
+
+
+def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> None:
+    clock = [50.0]
+    monkeypatch.setattr(engine_proc.time, "monotonic", lambda: clock[0])
+    times = multiprocessing.get_context("spawn").Array("d", 2)
+    seen: list[tuple[float, float]] = []
+
+    class Core:
+        scheduler = type("Sched", (), {"num_running": 0, "num_waiting": 0})()
+        pending = 1
+
+        def has_unfinished_requests(self) -> bool:
+            return self.pending > 0
+
+    class Driver:
+        stats = type("Stats", (), {"num_running": 0, "num_waiting": 0})()
+
+        def step(self) -> tuple[list, bool]:
+            seen.append(tuple(times[:]))  # what the parent sees during the step
+            clock[0] += 7.0  # a 7 s step
+            proc.core.pending = 0
+            proc.stopping = True
+            return [], False
+
+    proc = object.__new__(engine_proc._EngineProc)
+    proc.core, proc.driver, proc.loop_times, proc.stopping = Core(), Driver(), times, False
+    proc.stats_time_s = 0.0
+    proc.drain = lambda block: None
+    proc.snapshot = lambda force: None
+    proc.profile = type(
+        "Profile", (), {"mark": lambda s: None, "lap": lambda s, n: None, "maybe_log": lambda s: 0}
+    )()
+    proc.run()
+    assert seen == [(50.0, 50.0)]  # inside the step: its start, and the loop's turn
+    assert times[:] == [0.0, 57.0]  # after it: no step, turned at its end
