@@ -61,14 +61,14 @@ class RecomputeMeter:
         self._high_water: dict[str, int] = {}  # positions each request has computed
         run = core.runner.run
 
-        def metered_run(plan: Any) -> Any:
+        def metered_run(plan: Any, *args: Any) -> Any:
             for sr in plan.scheduled:
                 done = self._high_water.get(sr.request_id, 0)
                 end = sr.start_position + sr.num_tokens
                 self.num_scheduled_tokens += sr.num_tokens
                 self.num_recomputed_tokens += max(min(done, end) - sr.start_position, 0)
                 self._high_water[sr.request_id] = max(done, end)
-            return run(plan)
+            return run(plan, *args)
 
         core.runner.run = metered_run
 

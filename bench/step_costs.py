@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     runner_s: list[float] = []
     run = runner.run
 
-    def timed_run(plan):
+    def timed_run(plan, *args):
         t0 = time.perf_counter()
-        result = run(plan)
+        result = run(plan, *args)
         runner_s.append(time.perf_counter() - t0)
         return result
 

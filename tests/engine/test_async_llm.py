@@ -92,7 +92,7 @@ def test_dead_loop_fails_requests_and_health(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("qwen3_moe")
     eng = AsyncLLM(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256))
 
-    def broken_step():
+    def broken_step(*args):
         raise RuntimeError("injected fault")
 
     eng.engine_core.step = broken_step

@@ -68,7 +68,7 @@ def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> N
     class Driver:
         stats = type("Stats", (), {"num_running": 0, "num_waiting": 0})()
 
-        def step(self) -> tuple[list, bool]:
+        def step(self, while_gpu_runs=None) -> tuple[list, bool]:
             seen.append(tuple(times[:]))  # what the parent sees during the step
             clock[0] += 7.0  # a 7 s step
             proc.core.pending = 0
@@ -77,6 +77,7 @@ def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> N
 
     proc = object.__new__(engine_proc._EngineProc)
     proc.core, proc.driver, proc.loop_times, proc.stopping = Core(), Driver(), times, False
+    proc.pending = None
     proc.stats_time_s = 0.0
     proc.drain = lambda block: None
     proc.snapshot = lambda force: None

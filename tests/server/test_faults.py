@@ -50,7 +50,7 @@ def _assert_refused(live: LiveServer, code: str) -> None:
 
 
 def test_c17_engine_loop_death(tiny_moe_dir, engine_factory) -> None:
-    def boom() -> list:
+    def boom(*args) -> list:
         raise RuntimeError("injected engine failure")
 
     with LiveServer(engine_factory(tiny_moe_dir)) as live, live.http() as http:
@@ -65,7 +65,7 @@ def test_c17_engine_loop_death(tiny_moe_dir, engine_factory) -> None:
 def test_c17_engine_loop_hang(tiny_moe_dir, engine_factory) -> None:
     release = threading.Event()
 
-    def hang() -> list:
+    def hang(*args) -> list:
         release.wait(30)
         return []
 
@@ -107,11 +107,11 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
         step = core.step
         slow = threading.Event()
 
-        def slow_once() -> list:
+        def slow_once(*args) -> list:
             if not slow.is_set():
                 slow.set()
                 threading.Event().wait(2.5)
-            return step()
+            return step(*args)
 
         core.step = slow_once
         health: list[int] = []
@@ -190,7 +190,7 @@ def test_drain_timeout_cuts_open_streams(tiny_moe_dir, engine_factory) -> None:
 
 
 def test_engine_death_stops_the_server_with_exit_code_1(tiny_moe_dir, engine_factory) -> None:
-    def boom() -> list:
+    def boom(*args) -> list:
         raise RuntimeError("injected engine failure")
 
     with LiveServer(engine_factory(tiny_moe_dir), exit_on_fatal=True) as live:

@@ -37,12 +37,12 @@ class StepRecorder:
     def attach(self, core: Any) -> StepRecorder:
         """Wrap `core.runner.run` (an `EngineCore`) so every plan is recorded; returns self."""
         runner = core.runner
-        run: Callable[[StepPlan], Any] = runner.run
+        run: Callable[..., Any] = runner.run
 
-        def recording_run(plan: StepPlan) -> Any:
+        def recording_run(plan: StepPlan, *args: Any) -> Any:
             if plan.scheduled:
                 self.shapes.append(shape_of_plan(plan))
-            return run(plan)
+            return run(plan, *args)
 
         runner.run = recording_run
         return self

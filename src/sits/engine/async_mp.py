@@ -290,12 +290,11 @@ class AsyncMPLLM(RequestFrontEnd):
         kind = message[0]
         if kind == "step":
             _, outputs, stats = message
-            if stats is not None:
-                self._stats = stats
+            self._take_stats(stats)
             if outputs:
                 self._post(self._deliver, outputs)
         elif kind == "stats":
-            self._stats = message[1]
+            self._take_stats(message[1])
         elif kind == "add_failed":
             self._post(self._fail_request, message[1], unpack_error(message[2]))
         elif kind == "result":
@@ -303,6 +302,12 @@ class AsyncMPLLM(RequestFrontEnd):
             self._post(self._resolve, call_id, ok, value)
         elif kind == "died":
             self.dead_error = unpack_error(message[1])
+
+    def _take_stats(self, stats: EngineStats | None) -> None:
+        """Keep `stats` unless it is older than the snapshot held: a step's message is written
+        during the next step, after that step's commands' snapshot (`engine_proc`)."""
+        if stats is not None and stats.time_s >= self._stats.time_s:
+            self._stats = stats
 
     # ---- process ------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sits.config import EngineConfig
@@ -269,8 +269,12 @@ class EngineCore:
                 )
         return loads
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one engine step.
+
+        Args:
+            while_gpu_runs: host work to do while the step's forward runs on the device
+                (`ModelRunner.run`); not called when nothing was scheduled.
 
         Returns:
             One output per request that produced tokens, logprobs or finished this step.
@@ -298,7 +302,7 @@ class EngineCore:
                 self._unreported_first_scheduled.add(sr.request_id)
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
-        result = self.runner.run(plan)
+        result = self.runner.run(plan, while_gpu_runs)
         ran_s = time.monotonic()
         outputs = self.scheduler.update(plan, result)
         end_s = time.monotonic()

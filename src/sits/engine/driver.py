@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sits.config import EngineConfig
@@ -91,8 +92,13 @@ class EngineDriver:
         self.read_experts()
         self.snapshot(force=True)
 
-    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+    def step(
+        self, while_gpu_runs: Callable[[], None] | None = None
+    ) -> tuple[list[EngineCoreOutput], bool]:
         """One engine step, then the expert read when due.
+
+        Args:
+            while_gpu_runs: as `EngineCore.step`.
 
         Returns:
             (outputs, stalled): the step's outputs, and whether it was stalled.
@@ -100,7 +106,7 @@ class EngineDriver:
         core = self.core
         sched = core.scheduler
         num_preemptions = sched.num_preemptions
-        outputs = core.step()
+        outputs = core.step(while_gpu_runs)
         stalled = (
             not outputs and sched.num_running == 0 and sched.num_preemptions == num_preemptions
         )

@@ -3,7 +3,9 @@
 The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its own phases with
 `add` (or `mark` then one `lap` per phase): "commands" (handling adds, finishes and calls),
 "step" (`EngineDriver.step`: the core step and the expert read), "stats" (snapshots) and
-"send" (handing outputs to the server).
+"send" (handing outputs to the server; the engine process writes a step's outputs during
+the next step's forward, inside its "runner" time, so there "send" counts only writes made
+outside a step).
 `maybe_log` reads the core's cumulative counters (`EngineCore.phase_s`: schedule, runner,
 update; steps, decode rows, prefill tokens, preemptions, wasted prefill tokens) and, once
 `period_s` has passed since the last line, logs the averages per step over that window

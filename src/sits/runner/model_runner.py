@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -217,11 +218,14 @@ class ModelRunner:
         return str(self.dtype).removeprefix("torch.")
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepResult:
+    def run(self, plan: StepPlan, while_gpu_runs: Callable[[], None] | None = None) -> StepResult:
         """Compute the plan's tokens, write their KV, and sample where `sample` is set.
 
         Args:
             plan: requests and tokens of this step.
+            while_gpu_runs: host work to do once the step's forward is launched, before the
+                sampled tokens are waited for (on a GPU it overlaps the device's work); called
+                once, and not at all for an empty plan.
 
         Returns:
             StepResult with one sampled token per request with `sample=True`, plus logprobs
@@ -242,6 +246,8 @@ class ModelRunner:
         if plan.is_empty:
             return result
         hidden, last_indices = self._forward(plan)  # [num_tokens (+ padding), hidden]
+        if while_gpu_runs is not None:
+            while_gpu_runs()
         if self._prompt_logprob_ids:
             self._prompt_logprobs(plan, last_indices, hidden, result)
         self._sample(plan, last_indices, hidden, result)

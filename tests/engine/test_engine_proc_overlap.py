@@ -1,0 +1,112 @@
+"""The engine process writes a step's outputs while the device runs the next step's forward
+(`EngineCore.step(while_gpu_runs)`), and writes them at once when no step follows."""
+
+from __future__ import annotations
+
+import types
+
+import sits.engine.engine_proc as engine_proc
+from sits import LLM
+from sits.core.sampling_params import SamplingParams
+from sits.engine.async_llm import EngineStats
+from sits.engine.async_mp import AsyncMPLLM
+from sits.engine.requests import make_engine_requests
+
+
+def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc._EngineProc:
+    """An `_EngineProc` around a fake driver: step k "launches" its forward, runs the
+    callback only when k is in `device_steps`, then "syncs"; idle after `num_steps`."""
+    proc = object.__new__(engine_proc._EngineProc)
+    state = types.SimpleNamespace(step=0)
+
+    class Core:
+        scheduler = types.SimpleNamespace(num_running=1, num_waiting=0)
+
+        def has_unfinished_requests(self) -> bool:
+            return state.step < num_steps
+
+    class Driver:
+        stats = types.SimpleNamespace(num_running=1, num_waiting=0)
+
+        def step(self, while_gpu_runs=None) -> tuple[list, bool]:
+            state.step += 1
+            log.append(f"launch {state.step}")
+            if while_gpu_runs is not None and state.step in device_steps:
+                while_gpu_runs()
+            log.append(f"sync {state.step}")
+            return [f"out{state.step}"], False
+
+    class Conn:
+        def send(self, message: tuple) -> None:
+            log.append(f"sent {message[1][0]}")
+
+    def drain(block: bool) -> None:
+        if block:  # idle: the test's end
+            proc.stopping = True
+
+    proc.core, proc.driver, proc.out_conn = Core(), Driver(), Conn()
+    proc.loop_times, proc.pending, proc.stopping = None, None, False
+    proc.stats_time_s = 0.0
+    proc.drain = drain
+    proc.snapshot = lambda force: None
+    proc.profile = types.SimpleNamespace(
+        mark=lambda: None, lap=lambda name: None, maybe_log=lambda: 0
+    )
+    return proc
+
+
+def test_a_steps_outputs_are_written_during_the_next_steps_forward() -> None:
+    log: list[str] = []
+    _proc(log, num_steps=3, device_steps={1, 2, 3}).run()
+    assert log == [
+        "launch 1", "sync 1",
+        "launch 2", "sent out1", "sync 2",  # step 1's outputs go while step 2 runs
+        "launch 3", "sent out2", "sync 3",
+        "sent out3",  # no step follows: written before the loop waits for commands
+    ]  # fmt: skip
+
+
+def test_a_step_without_a_device_phase_writes_the_one_before_after_it() -> None:
+    log: list[str] = []
+    _proc(log, num_steps=3, device_steps={1, 3}).run()
+    assert log == [
+        "launch 1", "sync 1",
+        "launch 2", "sync 2", "sent out1",  # step 2 ran nothing on the device
+        "launch 3", "sent out2", "sync 3",
+        "sent out3",
+    ]  # fmt: skip
+
+
+def test_the_parent_keeps_the_newest_stats_snapshot() -> None:
+    engine = object.__new__(AsyncMPLLM)
+    engine._stats = EngineStats(num_waiting=5, time_s=10.0)
+    engine._dispatch(("stats", EngineStats(num_waiting=7, time_s=12.0)))
+    engine._dispatch(("step", [], EngineStats(num_waiting=6, time_s=11.0)))  # overtaken
+    assert engine._stats.num_waiting == 7
+    engine._dispatch(("step", [], EngineStats(num_waiting=8, time_s=13.0)))
+    assert engine._stats.num_waiting == 8
+
+
+def test_core_step_runs_the_host_work_once_after_the_forward(tiny_model_factory) -> None:
+    llm = LLM(model=str(tiny_model_factory("qwen3_moe")), dtype="float32", max_model_len=128)
+    core = llm.engine_core
+    runner = core.runner
+    order: list[str] = []
+    forward = runner._forward
+
+    def recorded_forward(plan):
+        order.append("forward")
+        return forward(plan)
+
+    runner._forward = recorded_forward
+    assert core.step(lambda: order.append("host")) == [] and order == []  # nothing scheduled
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for child in make_engine_requests(
+        "r", [1, 2, 3, 4], params, eos_token_ids=(), max_model_len=128, enable_prefix_caching=True
+    ):
+        core.add_request(child)
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step(lambda: order.append("host")) for t in out.new_token_ids]
+    assert len(tokens) == 3
+    assert order == ["forward", "host"] * 3
