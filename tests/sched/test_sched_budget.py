@@ -100,3 +100,15 @@ def test_scheduled_request_carries_block_table_and_outputs() -> None:
     assert scheduled.block_ids == [1, 2, 3]  # position 8 needs a third block
     assert scheduled.output_token_ids == [7, 7, 7]
     assert scheduler.kv_usage == 3 / 63
+
+
+def test_queued_prefill_counts_waiting_tokens_and_the_prompt_left_of_running_requests() -> None:
+    scheduler = Scheduler(make_config(max_num_batched_tokens=64))
+    scheduler.add_request(make_request("a", list(range(1, 101)), arrival_time=1.0))
+    assert scheduler.queued_prefill() == {"default": (1.0, 100)}
+    run_step(scheduler)  # a runs with 64 of its 100 prompt tokens computed
+    scheduler.add_request(make_request("b", [7] * 20, arrival_time=5.0, tenant_id="x"))
+    scheduler.add_request(make_request("c", [8] * 10, arrival_time=4.0, tenant_id="x"))
+    assert scheduler.queued_prefill() == {"default": (None, 36), "x": (4.0, 30)}
+    run_step(scheduler)  # a's last 36 tokens, then b and c's prompts (28 of the 30)
+    assert scheduler.queued_prefill() == {"x": (None, 2)}

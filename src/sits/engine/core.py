@@ -244,30 +244,10 @@ class EngineCore:
 
     def waiting_load(self) -> dict[str, WaitingLoad]:
         """The queued work of each tenant id that has some (see `WaitingLoad`). O(requests)."""
-        sched = self.scheduler
-        loads: dict[str, WaitingLoad] = {}
-        for request_id in sched.waiting_request_ids():
-            request = sched.get_request(request_id)
-            if request is None:
-                continue
-            load = loads.get(request.tenant_id) or WaitingLoad()
-            oldest_s = load.oldest_arrival_s
-            if oldest_s is None or request.arrival_time < oldest_s:
-                oldest_s = request.arrival_time
-            loads[request.tenant_id] = WaitingLoad(
-                oldest_s, load.num_prefill_tokens + request.num_tokens
-            )
-        for request_id in sched.running_request_ids():
-            request = sched.get_request(request_id)
-            if request is None:
-                continue
-            left = request.num_prompt_tokens - request.num_computed_tokens
-            if left > 0:
-                load = loads.get(request.tenant_id) or WaitingLoad()
-                loads[request.tenant_id] = WaitingLoad(
-                    load.oldest_arrival_s, load.num_prefill_tokens + left
-                )
-        return loads
+        return {
+            tenant_id: WaitingLoad(oldest_s, num_tokens)
+            for tenant_id, (oldest_s, num_tokens) in self.scheduler.queued_prefill().items()
+        }
 
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one engine step.

@@ -40,6 +40,26 @@ class SchedulerQueries:
         now, each tenant's queue front first (without tenants: the FCFS queue)."""
         return [r.request_id for t in self._book.backlogged() for r in t.queue]
 
+    def queued_prefill(self) -> dict[str, tuple[float | None, int]]:
+        """Request tenant id -> (arrival_time of its oldest waiting request, or None when none
+        waits; tokens still to prefill: every token of its waiting requests plus the prompt
+        tokens its running requests have not computed), for tenant ids with any. O(requests),
+        one pass with plain accumulators (the stats snapshot calls it every few steps)."""
+        oldest: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for tenant in self._book.tenants.values():
+            for request in tenant.queue:
+                tenant_id = request.tenant_id
+                arrival_s = request.arrival_time
+                if tenant_id not in oldest or arrival_s < oldest[tenant_id]:
+                    oldest[tenant_id] = arrival_s
+                tokens[tenant_id] = tokens.get(tenant_id, 0) + len(request.all_token_ids)
+        for request in self._running:
+            left = len(request.prompt_token_ids) - request.num_computed_tokens
+            if left > 0:
+                tokens[request.tenant_id] = tokens.get(request.tenant_id, 0) + left
+        return {tenant_id: (oldest.get(tenant_id), n) for tenant_id, n in tokens.items()}
+
     def prompt_tokens_at_risk(
         self, now_s: float, slack_fraction: float, tenant_ids: Iterable[str]
     ) -> int:
