@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from sits.bench.qos_compare import compare, format_comparison, make_modes
+from sits.bench.qos_compare import (
+    compare,
+    format_comparison,
+    make_modes,
+    output_throughput_while_offered,
+)
 from sits.cli.bench import add_bench_parser
 from sits.core.errors import InvalidParameterError
 
@@ -68,6 +73,38 @@ def test_compare_puts_modes_side_by_side_with_the_throughput_ratio() -> None:
         "100.0/20.0", "99.5/30.0", "99.5/10.0", "2.00/0.50", "300.0/250.0", "1/1", "2/2"
     ]  # fmt: skip
     assert compare({"qos": qos})["output_throughput_ratio"] is None
+    assert result["output_throughput_ratio_while_offered"] is None  # no per-request records
+    assert "while the load was offered" not in table
+
+
+def _request(arrival_ms: float, ok: bool, ttft_ms: float | None, itl_ms: list, tokens: int):
+    return {"arrival_ms": arrival_ms, "start_ms": arrival_ms, "ok": ok, "ttft_ms": ttft_ms,
+            "itl_ms": itl_ms, "num_chunks": len(itl_ms) + 1 if ttft_ms is not None else 0,
+            "output_tokens": tokens}  # fmt: skip
+
+
+def test_throughput_while_the_load_was_offered_counts_chunks_before_the_last_arrival() -> None:
+    total = _summary(60, 70, 50, 3, 900)
+    qos = _doc(total, total, total)
+    qos["requests"] = [
+        _request(0.0, True, 100.0, [200.0, 300.0, 500.0], 8),  # chunks at 100, 300, 600, 1100 ms
+        _request(1000.0, True, 50.0, [], 1),  # its chunk at 1050 ms: after the window
+        _request(500.0, False, 10.0, [10.0], 2),  # failed: not counted
+    ]
+    fcfs = _doc(total, total, total)
+    fcfs["requests"] = [
+        _request(0.0, True, 100.0, [100.0], 2),
+        _request(1000.0, False, None, [], 0),
+    ]
+    # Window 1 s: QoS 3 chunks x (8 / 4) tokens = 6 tok/s; FCFS 2 chunks x 1 token = 2 tok/s.
+    assert output_throughput_while_offered(qos) == 6.0
+    assert output_throughput_while_offered(fcfs) == 2.0
+    assert output_throughput_while_offered({"requests": []}) is None
+    result = compare({"qos": qos, "fcfs": fcfs})
+    assert result["output_throughput_ratio"] == 1.0
+    assert result["output_throughput_ratio_while_offered"] == 3.0
+    table = format_comparison(result, ["qos", "fcfs"])
+    assert "while the load was offered QoS / FCFS: 3.000 (6.0 / 2.0 tok/s)" in table
 
 
 def test_modes_and_their_serve_flags() -> None:
