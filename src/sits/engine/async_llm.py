@@ -309,7 +309,9 @@ class AsyncLLM(RequestFrontEnd):
                 profile.mark()
                 self._step_started_s = time.monotonic()
                 outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
-                self._heartbeat_s = time.monotonic()  # before the step ends for is_healthy
+                # A turn, recorded before the step mark clears: is_healthy never sees the
+                # step's start gone with a turn older than the step.
+                self._heartbeat_s = time.monotonic()
                 self._step_started_s = None
                 profile.lap("step")
                 driver.snapshot(force=stalled or not core.has_unfinished_requests())
