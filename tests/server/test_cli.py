@@ -61,13 +61,17 @@ def test_serve_flags_map_to_the_engine_config() -> None:
     "argv",
     [["--port", "99999"], ["--port", "-1"], ["--port", "x"], ["--shutdown-timeout", "-1"],
      ["--shutdown-timeout", "nan"], ["--engine-step-timeout", "0"],
-     ["--engine-step-timeout", "inf"]],
+     ["--engine-step-timeout", "-1"], ["--engine-step-timeout", "inf"],
+     ["--engine-step-timeout", "abc"]],
 )  # fmt: skip
 def test_bad_port_or_timeout_is_refused_before_any_model_work(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         _parse(argv)
     assert exit_info.value.code == 2
-    assert f"argument {argv[0]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}" in err
+    if argv[0] == "--engine-step-timeout":
+        assert f"must be a finite number of seconds > 0, got '{argv[1]}'" in err
 
 
 def test_api_key_from_flag_or_environment() -> None:

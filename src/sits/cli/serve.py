@@ -163,8 +163,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=ENGINE_STEP_TIMEOUT_S,
         metavar="S",
-        help="seconds one engine step may run before the engine counts as hung: /health "
-        "turns 503 and open requests fail (default %(default)g, as vLLM's "
+        help="seconds one engine step may run before the engine counts as hung: open "
+        "requests fail with 503 and the server exits with status 1 (default %(default)g, as vLLM's "
         "VLLM_ENGINE_ITERATION_TIMEOUT_S). Raise it for a large model on a CPU, where one "
         "prompt chunk of --max-num-batched-tokens may take longer. Between steps the loop "
         "must still turn within 10 s",
@@ -208,9 +208,12 @@ def _gpu_price(value: str) -> float:
 
 def _positive_seconds(value: str) -> float:
     """argparse type of --engine-step-timeout: a finite number of seconds > 0."""
-    seconds = _gpu_price(value)
-    if seconds == 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value!r}")
     return seconds
 
 
