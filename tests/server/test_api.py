@@ -226,6 +226,19 @@ def test_bad_types_are_400_not_422(server) -> None:
             "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]}
         )
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+        # A union field names every type it takes, not pydantic's first branch ("prompt.str").
+        resp = http.post("/v1/completions", json={"prompt": 123})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == (
+            "prompt: expected one of str, list[str], list[int], list[list[int]]."
+        )
+        assert resp.json()["error"]["param"] == "prompt"
+        resp = http.post("/v1/completions", json={"prompt": "x", "stop": 5})
+        assert resp.json()["error"]["message"] == "stop: expected one of str, list[str]."
+        resp = http.post(
+            "/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": "x"}}
+        )
+        assert resp.json()["error"]["message"].startswith("stream_options.include_usage: ")
 
 
 def test_content_parts_are_joined(client, server, model_name) -> None:
