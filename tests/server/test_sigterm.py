@@ -9,11 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 
+from sits.server.runner import DrainingServer
 from tests.server.live import free_port
 
 PROMPT = "def fibonacci(n):"
@@ -153,3 +157,17 @@ def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
     error = json.loads(stream.events[-2])["error"]
     assert error["code"] == "draining" and error["type"] == "service_unavailable_error"
     assert server.proc.wait(30) == 0
+
+
+def test_a_signal_after_the_engines_death_is_noted_then_a_second_one_forces() -> None:
+    """The server stops by itself after the engine died (exit code 1): a supervisor's SIGTERM
+    meanwhile must not force-cancel uvicorn's bounded shutdown; a second signal still does."""
+    lifecycle = types.SimpleNamespace(on_fatal=None)
+    server = DrainingServer(uvicorn.Config(FastAPI()), lifecycle)  # type: ignore[arg-type]
+    assert lifecycle.on_fatal == server.fatal
+    server.fatal(1)
+    assert server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert not server.force_exit and server.exit_code == 1
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit and server.exit_code == 1

@@ -6,7 +6,7 @@
   final error event, and the process exits 0. A second signal stops at once.
 - When the engine dies, the lifecycle calls `fatal(code)`: open requests have already been
   failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
-  process.
+  process; the first signal that arrives meanwhile is only noted, a second one stops at once.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class DrainingServer(uvicorn.Server):
         self.drained_cleanly: bool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._noted_stop_signal = False
         lifecycle.on_fatal = self.fatal
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -52,7 +53,13 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Signal handler: the first signal drains, a second one stops at once."""
+        """Signal handler: the first signal drains, a second one stops at once. After the
+        engine's death the server is stopping already: the first signal is only noted (a
+        supervisor's SIGTERM then does not cut uvicorn's bounded shutdown short)."""
+        if self.exit_code != 0 and not self._noted_stop_signal:
+            self._noted_stop_signal = True
+            logger.info("signal %s: already stopping (the engine died)", sig)
+            return
         if self._drain_task is not None or self.should_exit or self._loop is None:
             logger.warning("second signal %s: stopping without waiting", sig)
             self.force_exit = True
