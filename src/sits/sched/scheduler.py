@@ -237,8 +237,10 @@ class Scheduler(SchedulerQueries):
 
     def _schedule_running(self, step: _StepState) -> None:
         running = self._running
-        if self._book.fair:
-            running = sorted(running, key=lambda r: running_order_key(self._tenant(r)))
+        book = self._book
+        if book.fair:  # one key per tenant (keys do not change while sorting)
+            keys = {t.tenant_id: running_order_key(t) for t in book.tenants.values()}
+            running = sorted(running, key=lambda r: keys[r.tenant_id])
         for request in list(running):
             if step.token_budget == 0:
                 return
@@ -247,14 +249,15 @@ class Scheduler(SchedulerQueries):
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens, step.token_budget
             )
-            if not is_decode(request):
+            decode = is_decode(request)
+            if not decode:
                 num_new_tokens = min(num_new_tokens, step.prefill_budget)
                 if num_new_tokens == 0:
                     continue  # paced: its prompt goes on in a later step
             assert num_new_tokens >= 1, request
-            tenant = self._tenant(request)
+            tenant = book.tenant_of(request)
             if self._allocate_or_preempt(request, tenant, num_new_tokens, step):
-                self._add_to_step(request, tenant, num_new_tokens, step)
+                self._add_to_step(request, tenant, num_new_tokens, step, decode)
 
     def _allocate_or_preempt(
         self, request: Request, tenant: TenantState, num_new_tokens: int, step: _StepState
@@ -419,8 +422,15 @@ class Scheduler(SchedulerQueries):
         return True
 
     def _add_to_step(
-        self, request: Request, tenant: TenantState, num_new_tokens: int, step: _StepState
+        self,
+        request: Request,
+        tenant: TenantState,
+        num_new_tokens: int,
+        step: _StepState,
+        decode: bool | None = None,
     ) -> None:
+        """Put the request's next `num_new_tokens` into the step (`decode`: `is_decode` of the
+        request, when the caller knows it already)."""
         request_id = request.request_id
         start = request.num_computed_tokens
         end = start + num_new_tokens
@@ -436,7 +446,9 @@ class Scheduler(SchedulerQueries):
             )
         )
         step.scheduled_ids.add(request_id)
-        if not is_decode(request):  # before _charge: `start` is its computed tokens now
+        if decode is None:
+            decode = is_decode(request)
+        if not decode:  # before _charge: `start` is its computed tokens now
             step.prefill_budget -= num_new_tokens
         step.token_budget -= num_new_tokens
         tenant_tokens = step.tokens_by_tenant

