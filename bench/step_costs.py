@@ -82,10 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[tuple[int, int], list[tuple[float, float]]] = collections.defaultdict(list)
     start = time.perf_counter()
     num_output = 0
+    sched = core.scheduler
     while core.has_unfinished_requests():
-        sched = core.scheduler
-        running = map(sched.get_request, sched.running_request_ids())
-        decoding = sum(1 for r in running if r is not None and r.num_output_tokens > 0)
+        decoding = sum(1 for r in sched.running_requests() if r.num_output_tokens > 0)
         prefill_before = core.num_prefill_tokens
         t0 = time.perf_counter()
         outputs = core.step()

@@ -79,12 +79,20 @@ def _sse_chunks(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dic
     return chunks
 
 
-def test_completion_stream_sends_a_chunk_per_token(server, model_name) -> None:
+def _greedy_deltas(server, prompt_ids: list[int]) -> tuple[list[int], list[str]]:
+    """The engine's greedy MAX_TOKENS tokens for the prompt and the reference text delta of
+    each; checks that one of them (not the last) decodes to "" (what the tests are about)."""
     tokenizer = server.engine.tokenizer
-    token_ids = _engine_token_ids(server, tokenizer.encode(COMPLETION_PROMPT), MAX_TOKENS)
+    token_ids = _engine_token_ids(server, prompt_ids, MAX_TOKENS)
     expected = _reference_deltas(tokenizer, token_ids)
     assert len(expected) == MAX_TOKENS
     assert "" in expected[:-1], "the prompt no longer yields a token with empty text"
+    return token_ids, expected
+
+
+def test_completion_stream_sends_a_chunk_per_token(server, model_name) -> None:
+    tokenizer = server.engine.tokenizer
+    token_ids, expected = _greedy_deltas(server, tokenizer.encode(COMPLETION_PROMPT))
     body = {
         "model": model_name,
         "prompt": COMPLETION_PROMPT,
@@ -116,10 +124,7 @@ def test_completion_stream_sends_a_chunk_per_token(server, model_name) -> None:
 def test_chat_stream_sends_a_chunk_per_token(server, model_name) -> None:
     tokenizer = server.engine.tokenizer
     prompt_ids = tokenizer.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True)
-    token_ids = _engine_token_ids(server, prompt_ids, MAX_TOKENS)
-    expected = _reference_deltas(tokenizer, token_ids)
-    assert len(expected) == MAX_TOKENS
-    assert "" in expected[:-1], "the messages no longer yield a token with empty text"
+    token_ids, expected = _greedy_deltas(server, prompt_ids)
     body = {
         "model": model_name,
         "messages": CHAT_MESSAGES,

@@ -263,7 +263,7 @@ class EngineCore:
         expired = self._drop_unstarted(start_s) if self._start_deadlines else []
         max_prefill_tokens = None
         if self.pacer.enabled:
-            running = map(self.scheduler.get_request, self.scheduler.running_request_ids())
+            running = self.scheduler.running_requests()
             max_prefill_tokens = self.pacer.max_prefill_tokens(start_s, running)
             if max_prefill_tokens is not None and self._rescue_tenants:
                 at_risk = self.scheduler.prompt_tokens_at_risk(
@@ -290,7 +290,8 @@ class EngineCore:
         phase_s["schedule"] += now - start_s
         phase_s["runner"] += ran_s - now
         phase_s["update"] += end_s - ran_s
-        self.num_decode_rows += len(plan.scheduled) - len(prefills)
+        num_decodes = len(plan.scheduled) - len(prefills)
+        self.num_decode_rows += num_decodes
         self.num_steps += 1
         num_prefill_tokens = sum(sr.num_tokens for sr in prefills)
         if prefills:
@@ -306,7 +307,7 @@ class EngineCore:
                     chunks.append((end_s, sr.num_tokens))
         self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
         if self.pacer.enabled and plan.scheduled:
-            step_tokens = len(plan.scheduled) - len(prefills) + num_prefill_tokens
+            step_tokens = num_decodes + num_prefill_tokens
             self.pacer.observe_step(
                 self.pacer.padded_tokens(step_tokens) if prefills else 0,
                 end_s - start_s,

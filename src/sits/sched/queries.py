@@ -110,6 +110,11 @@ class SchedulerQueries:
         """Running request ids in running (admission) order."""
         return [r.request_id for r in self._running]
 
+    def running_requests(self) -> list[Request]:
+        """Running requests in running (admission) order (a copy of the list; the requests
+        themselves are the scheduler's: read, do not change)."""
+        return list(self._running)
+
     @property
     def num_running(self) -> int:
         return len(self._running)

@@ -418,7 +418,7 @@ class Scheduler(SchedulerQueries):
                 request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         self._running.append(request)
-        self._add_to_step(request, tenant, num_new_tokens, step)
+        self._add_to_step(request, tenant, num_new_tokens, step, is_decode(request))
         return True
 
     def _add_to_step(
@@ -427,10 +427,10 @@ class Scheduler(SchedulerQueries):
         tenant: TenantState,
         num_new_tokens: int,
         step: _StepState,
-        decode: bool | None = None,
+        decode: bool,
     ) -> None:
         """Put the request's next `num_new_tokens` into the step (`decode`: `is_decode` of the
-        request, when the caller knows it already)."""
+        request, which the callers know already)."""
         request_id = request.request_id
         start = request.num_computed_tokens
         end = start + num_new_tokens
@@ -446,8 +446,6 @@ class Scheduler(SchedulerQueries):
             )
         )
         step.scheduled_ids.add(request_id)
-        if decode is None:
-            decode = is_decode(request)
         if not decode:  # before _charge: `start` is its computed tokens now
             step.prefill_budget -= num_new_tokens
         step.token_budget -= num_new_tokens
