@@ -87,3 +87,8 @@ def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> N
     proc.run()
     assert seen == [(50.0, 50.0)]  # inside the step: its start, and the loop's turn
     assert times[:] == [0.0, 57.0]  # after it: no step, turned at its end
+
+
+def test_a_sub_second_step_timeout_shows_the_step_at_its_scale() -> None:
+    error = hung_loop_error(100.0, 99.0, 99.9985, 10.0, 0.001)
+    assert "has run for 0.0015 s, over the step timeout of 0.001 s" in str(error)

@@ -37,8 +37,9 @@ def hung_loop_error(
     if step_started_s is not None:
         if now_s - step_started_s < step_timeout_s:
             return None
+        digits = 1 if step_timeout_s >= 1 else 4  # a sub-second timeout: show its scale
         return EngineDeadError(
-            f"an engine step has run for {now_s - step_started_s:.1f} s, over the step "
+            f"an engine step has run for {now_s - step_started_s:.{digits}f} s, over the step "
             f"timeout of {step_timeout_s:g} s (--engine-step-timeout)"
         )
     if now_s - turned_s < health_timeout_s:

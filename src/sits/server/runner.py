@@ -58,7 +58,7 @@ class DrainingServer(uvicorn.Server):
         supervisor's SIGTERM then does not cut uvicorn's bounded shutdown short)."""
         if self.exit_code != 0 and not self._noted_stop_signal:
             self._noted_stop_signal = True
-            logger.info("signal %s: already stopping (the engine died)", sig)
+            logger.info("signal %s: already stopping (the engine died)", signal.Signals(sig).name)
             return
         if self._drain_task is not None or self.should_exit or self._loop is None:
             logger.warning("second signal %s: stopping without waiting", sig)
