@@ -80,7 +80,7 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
     proc = object.__new__(engine_proc._EngineProc)
     proc.cmd_conn = Inbox([("add", f"r{i}") for i in range(200)])
     proc.out_conn = Outbox()
-    proc.stopping = False
+    proc.stopping, proc.deferred = False, []
     proc.core = type("Core", (), {"has_unfinished_requests": lambda self: True})()
     handled: list[tuple] = []
 

@@ -13,6 +13,19 @@ from sits.engine.async_mp import AsyncMPLLM
 from sits.engine.requests import make_engine_requests
 
 
+class _Inbox:
+    """The child's end of the command pipe, over a list of commands."""
+
+    def __init__(self, commands: list[tuple]) -> None:
+        self.commands = commands
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.commands)
+
+    def recv(self) -> tuple:
+        return self.commands.pop(0)
+
+
 def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc._EngineProc:
     """An `_EngineProc` around a fake driver: step k "launches" its forward, runs the
     callback only when k is in `device_steps`, then "syncs"; idle after `num_steps`."""
@@ -45,7 +58,9 @@ def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc
             proc.stopping = True
 
     proc.core, proc.driver, proc.out_conn = Core(), Driver(), Conn()
+    proc.cmd_conn = _Inbox([])
     proc.loop_times, proc.pending, proc.stopping = None, None, False
+    proc.deferred, proc.took_adds = [], False
     proc.stats_time_s = 0.0
     proc.drain = drain
     proc.snapshot = lambda force: None
@@ -110,3 +125,58 @@ def test_core_step_runs_the_host_work_once_after_the_forward(tiny_model_factory)
         tokens += [t for out in core.step(lambda: order.append("host")) for t in out.new_token_ids]
     assert len(tokens) == 3
     assert order == ["forward", "host"] * 3
+
+
+def _inbox_proc(commands: list[tuple], handled: list[str]) -> engine_proc._EngineProc:
+    """An `_EngineProc` with the real `while_gpu_runs` and `drain` over an inbox of commands;
+    `handle` records each command's kind and first argument."""
+    proc = object.__new__(engine_proc._EngineProc)
+    proc.cmd_conn = _Inbox(commands)
+    proc.out_conn = types.SimpleNamespace(send=lambda message: handled.append(message[0]))
+    proc.pending, proc.stopping, proc.deferred, proc.took_adds = None, False, [], False
+    proc.core = types.SimpleNamespace(has_unfinished_requests=lambda: True)
+    proc.snapshot = lambda force: None
+    proc.profile = types.SimpleNamespace(add=lambda name, seconds: None)
+    proc.handle = lambda command: handled.append(f"{command[0]} {command[1]}")
+    return proc
+
+
+def test_new_requests_are_taken_during_the_forward_and_other_commands_after_the_step() -> None:
+    handled: list[str] = []
+    commands = [("add", "a"), ("add", "b"), ("finish", "a"), ("add", "c"), ("call", 1)]
+    proc = _inbox_proc(commands, handled)
+    proc.while_gpu_runs()
+    # The abort frees blocks the running step may write: it and all after it wait.
+    assert handled == ["add a", "add b"] and proc.took_adds
+    assert proc.deferred == [("finish", "a")] and commands == [("add", "c"), ("call", 1)]
+    proc.while_gpu_runs()  # a later forward before the drain takes nothing past the wait
+    assert handled == ["add a", "add b"]
+    proc.drain(block=False)
+    assert handled == ["add a", "add b", "finish a", "add c", "call 1", "stats"]
+    assert proc.deferred == [] and commands == []
+
+
+def test_a_stalled_step_that_took_new_requests_steps_again_without_waiting() -> None:
+    log: list[str] = []
+    proc = _proc(log, num_steps=2, device_steps={1, 2})
+    proc.cmd_conn = _Inbox([("add", "x")])
+    proc.handle = lambda command: log.append(f"handle {command[1]}")
+    waits: list[bool] = []
+
+    def drain(block: bool) -> None:
+        waits.append(block)
+        if block:
+            proc.stopping = True
+
+    proc.drain = drain
+    stalled_step = proc.driver.step
+
+    def step(while_gpu_runs=None) -> tuple[list, bool]:
+        outputs, _ = stalled_step(while_gpu_runs)
+        return outputs, True  # every step stalls (no request could run)
+
+    proc.driver.step = step
+    proc.run()
+    assert log[:4] == ["launch 1", "handle x", "sync 1", "launch 2"]
+    # Before step 1, after it (it took x: step again at once), after step 2 (stalled: wait).
+    assert waits == [False, False, True]

@@ -25,6 +25,7 @@ class _Core:
         self.num_steps = 0
         self.num_decode_rows = 0
         self.num_prefill_tokens = 0
+        self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
         self.scheduler = type("Scheduler", (), {"num_preemptions": 0})()
 
@@ -36,6 +37,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     assert profile.maybe_log() is None  # no time has passed
     # 4 steps in 2 s: 0.5 s of runner, 0.125 s of schedule and update each, per 4 steps.
     core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 4, 400, 1024
+    core.num_prefill_chunks = 6
     core.phase_s.update(schedule=0.125, runner=0.5, update=0.125)
     core.num_wasted_prefill_tokens = 512
     core.scheduler.num_preemptions = 3
@@ -49,8 +51,8 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     assert line == (
         "engine loop, last 2.0 s (busy 1.4 s): 4 steps of 343.8 ms: step 187.5 (schedule "
         "31.2, runner 125.0, update 31.2), commands 62.5, stats 31.2, send 62.5; per step "
-        "100.0 decodes + 256.0 prefill tokens; 3 preemptions; 512 prefill tokens of requests "
-        "shed before their first token"
+        "100.0 decodes + 256.0 prefill tokens in 1.5 chunks; 3 preemptions; 512 prefill "
+        "tokens of requests shed before their first token"
     )
     assert caplog.messages == [line]
     # The next window starts from zero; one without steps logs nothing.
@@ -63,6 +65,25 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     line = profile.maybe_log()
     assert "(busy 0.5 s): 1 step of 500.0 ms: step 500.0 (schedule 0.0" in line
     assert "; 1 preemption; " in line
+
+
+def test_a_runner_with_counters_splits_its_phase_and_counts_rows_run() -> None:
+    clock = [100.0]
+    core = _Core()
+    core.runner = type(
+        "Runner", (), {"phase_s": {"launch": 0.0, "shadow": 0.0, "sync": 0.0}, "num_rows_run": 0}
+    )()
+    profile = LoopProfile(core, period_s=1.0, clock=lambda: clock[0])
+    core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 2, 200, 900
+    core.num_prefill_chunks = 3
+    core.phase_s.update(runner=0.0625)
+    core.runner.phase_s.update(launch=0.00390625, shadow=0.0078125, sync=0.05078125)
+    core.runner.num_rows_run = 1280 + 1152  # two mixed steps, padded to their graphs
+    profile.add("step", 0.0625)
+    clock[0] = 101.0
+    line = profile.maybe_log()
+    assert "runner 31.2 [launch 2.0, shadow 3.9, sync 25.4], update 0.0)" in line
+    assert "per step 100.0 decodes + 450.0 prefill tokens in 1.5 chunks, 1216.0 rows run;" in line
 
 
 def test_laps_time_consecutive_phases_from_a_mark() -> None:
@@ -120,6 +141,8 @@ def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_f
     core.step()  # a: 40 prompt tokens (first token), b: 24 of 100
     core.step()  # a: one decode, b: 63 more (87 of 100: the budget is 64 tokens)
     assert (core.num_steps, core.num_decode_rows, core.num_prefill_tokens) == (2, 1, 127)
+    assert core.num_prefill_chunks == 3  # a; b; b (a's decode is no chunk)
+    assert core.runner.num_rows_run == 64 + 64  # eager on the CPU: no padding
     core.finish_requests(["b"], FinishReason.ABORT)  # shed before its first token
     core.finish_requests(["a"], FinishReason.ABORT)  # had tokens: nothing wasted
     assert core.num_wasted_prefill_tokens == 87

@@ -123,6 +123,7 @@ class EngineCore:
             scheduler), "runner" (inputs, model, sampling) and "update" (scheduler update and
             outputs); read by the engine loop's profile (`sits.engine.loop_profile`).
         num_decode_rows: one-token decodes scheduled so far, cumulative.
+        num_prefill_chunks: prompt (or recompute) chunks scheduled so far, cumulative.
         num_wasted_prefill_tokens: computed prompt tokens of requests finished from outside
             before their first token (e.g. shed by a queue timeout), cumulative.
         record_request_chunks: when True (tracing), each request's prompt chunks (and
@@ -170,6 +171,7 @@ class EngineCore:
         self.tenant_scheduled_tokens: dict[str, int] = {}
         self.phase_s = {"schedule": 0.0, "runner": 0.0, "update": 0.0}
         self.num_decode_rows = 0
+        self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
@@ -296,6 +298,7 @@ class EngineCore:
         num_prefill_tokens = sum(sr.num_tokens for sr in prefills)
         if prefills:
             self.num_prefill_tokens += num_prefill_tokens
+            self.num_prefill_chunks += len(prefills)
             self.prefill_busy_s += end_s - now
             self.prefill_chunks.extend(
                 PrefillChunk(sr.request_id, now, end_s, sr.start_position, sr.num_tokens)

@@ -23,12 +23,14 @@ of running or waiting requests, and else every `_STATS_PERIOD_S` while stepping.
 (`EngineCore.step`'s `while_gpu_runs`): the pickling and the pipe write (~1.5-2 ms per step on
 the H200's host) then overlap the device's work instead of lengthening every step, which under
 TPOT pacing is batch given up. It is written at once when no step follows (idle, stalled,
-stopping, dying). So a ("stats", ...) sent after commands can overtake an older step's
-message; the parent keeps the newest snapshot by `EngineStats.time_s`. The child
-ignores SIGINT and SIGTERM (the parent owns shutdown; it kills a child that does not stop) and
-exits when the parent's end of the command pipe
-closes. Timestamps (`time.monotonic()`) are comparable between the two processes: one
-system-wide clock on Linux.
+stopping, dying). The commands queued by then are read in the same shadow: new requests join
+the waiting queues at once (under load about four per step, ~1 ms of host work that each step
+paid before), any other command waits for the step's end (`_EngineProc.while_gpu_runs`).
+So a ("stats", ...) sent after commands can overtake an older step's message; the parent
+keeps the newest snapshot by `EngineStats.time_s`. The child ignores SIGINT and SIGTERM (the
+parent owns shutdown; it kills a child that does not stop) and exits when the parent's end of
+the command pipe closes. Timestamps (`time.monotonic()`) are comparable between the two
+processes: one system-wide clock on Linux.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class _EngineProc:
         self.profile = LoopProfile(parts.core)
         self.loop_times = loop_times
         self.pending: tuple | None = None  # the last step's message, written during the next
+        self.deferred: list[tuple] = []  # commands read during a step, handled after it
+        self.took_adds = False  # the running step's forward took new requests
 
     @property
     def stats(self) -> EngineStats:
@@ -234,10 +238,13 @@ class _EngineProc:
                     continue
                 profile.mark()
                 self.mark_loop(time.monotonic())
-                # The last step's outputs are written while the device runs this one.
-                outputs, stalled = self.driver.step(self.flush)  # stalled: wait for a command
+                # The last step's outputs are written, and new requests taken, while the
+                # device runs this one.
+                self.took_adds = False
+                outputs, stalled = self.driver.step(self.while_gpu_runs)
                 self.mark_loop(0.0)
                 profile.lap("step")
+                stalled = stalled and not self.took_adds  # stalled: wait for a command
                 idle = stalled or not core.has_unfinished_requests()
                 due = (
                     idle
@@ -268,22 +275,41 @@ class _EngineProc:
         if message is not None:
             self.out_conn.send(message)
 
-    def drain(self, block: bool) -> None:
-        """Handle the queued commands (waiting up to `_IDLE_WAIT_S` for one when `block`) for
-        at most `MAX_DRAIN_S`, then send a snapshot (`force_after_commands`); a ("beat",) when
-        the wait found none. The bound keeps a flood of commands from holding the steps (and
-        the heartbeat they carry) back: the rest waits for the next drain, one step later."""
+    def while_gpu_runs(self) -> None:
+        """Host work in the shadow of a step's forward: write the last step's message, then
+        read the queued commands for at most `MAX_DRAIN_S`. New requests ("add") only join
+        the waiting queues, which the running step does not read, so they are handled at
+        once; the first other command (an abort frees blocks the step is writing, an expert
+        operation changes weights it reads) and everything after it wait in `deferred` for
+        the drain after the step, keeping the commands' order."""
+        self.flush()
         conn = self.cmd_conn
-        if not conn.poll(_IDLE_WAIT_S if block else 0):
+        deadline_s = time.monotonic() + MAX_DRAIN_S
+        while not self.deferred and conn.poll(0) and time.monotonic() < deadline_s:
+            command = conn.recv()
+            if command[0] != "add":
+                self.deferred.append(command)
+                return
+            self.handle(command)
+            self.took_adds = True
+
+    def drain(self, block: bool) -> None:
+        """Handle the deferred and queued commands (waiting up to `_IDLE_WAIT_S` for one when
+        `block` and none was deferred) for at most `MAX_DRAIN_S`, then send a snapshot
+        (`force_after_commands`); a ("beat",) when the wait found none. The bound keeps a
+        flood of commands from holding the steps (and the heartbeat they carry) back: the
+        rest waits for the next drain, one step later."""
+        conn = self.cmd_conn
+        if not self.deferred and not conn.poll(_IDLE_WAIT_S if block else 0):
             if block:
                 self.out_conn.send(("beat",))
             return
         start_s = time.monotonic()
         deadline_s = start_s + MAX_DRAIN_S
-        while True:
+        while self.deferred and not self.stopping:
+            self.handle(self.deferred.pop(0))
+        while not self.stopping and conn.poll(0) and time.monotonic() < deadline_s:
             self.handle(conn.recv())
-            if self.stopping or not conn.poll(0) or time.monotonic() >= deadline_s:
-                break
         self.out_conn.send(("stats", self.snapshot(force=force_after_commands(block, self.core))))
         self.profile.add("commands", time.monotonic() - start_s)
 

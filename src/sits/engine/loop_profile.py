@@ -7,14 +7,15 @@ The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its 
 the next step's forward, inside its "runner" time, so there "send" counts only writes made
 outside a step).
 `maybe_log` reads the core's cumulative counters (`EngineCore.phase_s`: schedule, runner,
-update; steps, decode rows, prefill tokens, preemptions, wasted prefill tokens) and, once
-`period_s` has passed since the last line, logs the averages per step over that window
-(preemptions and wasted tokens as window totals), e.g.
+update; steps, decode rows, prefill tokens and chunks, preemptions, wasted prefill tokens),
+and the runner's when it keeps them (`ModelRunner.phase_s`: launch, shadow, sync; rows run,
+padding included), and, once `period_s` has passed since the last line, logs the averages
+per step over that window (preemptions and wasted tokens as window totals), e.g.
 
     engine loop, last 10.0 s (busy 10.0 s): 312 steps of 32.0 ms: step 28.1 (schedule 1.2,
-    runner 24.0, update 2.9), commands 1.1, stats 0.5, send 2.3; per step 180.0 decodes +
-    540.0 prefill tokens; 3 preemptions; 0 prefill tokens of requests shed before their
-    first token
+    runner 24.0 [launch 1.5, shadow 1.8, sync 20.7], update 2.9), commands 1.1, stats 0.5,
+    send 2.3; per step 180.0 decodes + 540.0 prefill tokens in 1.5 chunks, 768.0 rows run;
+    3 preemptions; 0 prefill tokens of requests shed before their first token
 
 (phase figures in ms per step; "busy" is the loop's time in its phases, so idle time in the
 window does not inflate the per-step figures) so an operator, or a benchmark's log, sees
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 LOOP_PHASES = ("commands", "step", "stats", "send")
 CORE_PHASES = ("schedule", "runner", "update")
+RUNNER_PHASES = ("launch", "shadow", "sync")
 DEFAULT_PERIOD_S = 10.0
 
 
@@ -83,8 +85,12 @@ class LoopProfile:
     def _core_counters(self) -> dict[str, float]:
         core = self.core
         counters = {name: core.phase_s[name] for name in CORE_PHASES}  # type: ignore[attr-defined]
-        for name in ("num_steps", "num_decode_rows", "num_prefill_tokens"):
+        for name in ("num_steps", "num_decode_rows", "num_prefill_tokens", "num_prefill_chunks"):
             counters[name] = getattr(core, name)
+        runner = getattr(core, "runner", None)
+        if hasattr(runner, "phase_s"):  # a fake runner (tests, simulations) may keep none
+            counters.update(runner.phase_s)  # type: ignore[union-attr]
+            counters["rows_run"] = runner.num_rows_run  # type: ignore[union-attr]
         counters["wasted"] = core.num_wasted_prefill_tokens  # type: ignore[attr-defined]
         counters["preemptions"] = core.scheduler.num_preemptions  # type: ignore[attr-defined]
         return counters
@@ -105,13 +111,18 @@ class LoopProfile:
         ms = {name: 1e3 * seconds / steps for name, seconds in {**loop_s, **delta}.items()}
         busy_s = sum(loop_s.values())
         preemptions = int(delta["preemptions"])
+        runner, rows = "", ""
+        if "rows_run" in delta:
+            runner = " [" + ", ".join(f"{n} {ms[n]:.1f}" for n in RUNNER_PHASES) + "]"
+            rows = f", {delta['rows_run'] / steps:.1f} rows run"
         line = (
             f"engine loop, last {window_s:.1f} s (busy {busy_s:.1f} s): {_plural(steps, 'step')} "
             f"of {1e3 * busy_s / steps:.1f} ms: step {ms['step']:.1f} (schedule "
-            f"{ms['schedule']:.1f}, runner {ms['runner']:.1f}, update {ms['update']:.1f}), "
-            f"commands {ms['commands']:.1f}, stats {ms['stats']:.1f}, send {ms['send']:.1f}; "
-            f"per step {delta['num_decode_rows'] / steps:.1f} decodes + "
-            f"{delta['num_prefill_tokens'] / steps:.1f} prefill tokens; "
+            f"{ms['schedule']:.1f}, runner {ms['runner']:.1f}{runner}, update "
+            f"{ms['update']:.1f}), commands {ms['commands']:.1f}, stats {ms['stats']:.1f}, "
+            f"send {ms['send']:.1f}; per step {delta['num_decode_rows'] / steps:.1f} decodes + "
+            f"{delta['num_prefill_tokens'] / steps:.1f} prefill tokens in "
+            f"{delta['num_prefill_chunks'] / steps:.1f} chunks{rows}; "
             f"{_plural(preemptions, 'preemption')}; {int(delta['wasted'])} prefill tokens "
             "of requests shed before their first token"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import torch
@@ -70,6 +71,10 @@ class ModelRunner:
         num_host_blocks: blocks of the host tier (config.cpu_offload_gb; 0 = none).
         host_kv: the host tier's tensors, or None.
         warmup: what the kernel warm-up ran, or None when it did not run.
+        phase_s: cumulative wall seconds of `run`'s phases: "launch" (per-request state and
+            the forward's inputs, up to its launch), "shadow" (the caller's `while_gpu_runs`)
+            and "sync" (waiting for the forward, then sampling).
+        num_rows_run: token rows the forwards ran, cumulative, CUDA-graph padding included.
     """
 
     def __init__(self, config: EngineConfig, info: ModelInfo, warm_up: bool | None = None) -> None:
@@ -144,6 +149,8 @@ class ModelRunner:
         # Prompt logprobs already returned per request (a resumed request recomputes its
         # prompt, but each prompt position is reported once).
         self._prompt_logprobs_done: dict[str, int] = {}
+        self.phase_s = {"launch": 0.0, "shadow": 0.0, "sync": 0.0}
+        self.num_rows_run = 0
 
     def _setup_fast_path(
         self, config: EngineConfig, num_kv_heads: int, head_dim: int, warm_up: bool | None
@@ -231,6 +238,7 @@ class ModelRunner:
             StepResult with one sampled token per request with `sample=True`, plus logprobs
             and prompt logprobs where asked.
         """
+        start_s = time.monotonic()
         for request_id in plan.finished_request_ids:
             self._states.pop(request_id, None)
             self._prompt_logprobs_done.pop(request_id, None)
@@ -246,11 +254,18 @@ class ModelRunner:
         if plan.is_empty:
             return result
         hidden, last_indices = self._forward(plan)  # [num_tokens (+ padding), hidden]
+        self.num_rows_run += hidden.shape[0]
+        launched_s = time.monotonic()
         if while_gpu_runs is not None:
             while_gpu_runs()
+        shadow_end_s = time.monotonic()
         if self._prompt_logprob_ids:
             self._prompt_logprobs(plan, last_indices, hidden, result)
         self._sample(plan, last_indices, hidden, result)
+        phase_s = self.phase_s
+        phase_s["launch"] += launched_s - start_s
+        phase_s["shadow"] += shadow_end_s - launched_s
+        phase_s["sync"] += time.monotonic() - shadow_end_s
         return result
 
     def _forward(self, plan: StepPlan) -> tuple[Tensor, list[int]]:
