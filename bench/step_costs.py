@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seq-bucket", type=int, default=64)
     p.add_argument("--token-bucket", type=int, default=512)
+    p.add_argument(
+        "--paced-step-tokens",
+        type=int,
+        default=0,
+        help="cap every step at this many tokens (decodes first, then prompt chunks cut to "
+        "fit), as TPOT pacing does with a fixed slack; 0: FCFS (the token budget only)",
+    )
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     model = args.model or write_shape_dir(args.random_weights)
@@ -67,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     runner.run = timed_run  # this script's own engine: nothing else sees the wrapper
+    if args.paced_step_tokens:
+        core.pacer = _FixedStepPacer(core.pacer, args.paced_step_tokens)
     vocab = runner.model.config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     for i, ids in enumerate(random_prompts(args.num_prompts, args.input_len, vocab, seed=0)):
@@ -86,28 +95,64 @@ def main(argv: list[str] | None = None) -> int:
     while core.has_unfinished_requests():
         decoding = sum(1 for r in sched.running_requests() if r.num_output_tokens > 0)
         prefill_before = core.num_prefill_tokens
+        rows_before, chunks_before = runner.num_rows_run, core.num_prefill_chunks
         t0 = time.perf_counter()
         outputs = core.step()
         step_s = time.perf_counter() - t0
         num_output += sum(len(o.new_token_ids) for o in outputs)
         prefill = core.num_prefill_tokens - prefill_before
         key = (_bucket(decoding, args.seq_bucket), _bucket(prefill, args.token_bucket))
-        groups[key].append((step_s, runner_s[-1] if runner_s else 0.0))
+        groups[key].append(
+            (
+                step_s,
+                runner_s[-1] if runner_s else 0.0,
+                runner.num_rows_run - rows_before,
+                core.num_prefill_chunks - chunks_before,
+            )
+        )
     wall_s = time.perf_counter() - start
-    print("\n| decoding seqs | prefill tokens | steps | step ms | runner ms | host ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| decoding seqs | prefill tokens | steps | step ms | runner ms | host ms | rows run "
+        "| chunks |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for (seqs, tokens), rows in sorted(groups.items()):
-        step_ms = 1e3 * sum(r[0] for r in rows) / len(rows)
-        run_ms = 1e3 * sum(r[1] for r in rows) / len(rows)
+        step_ms, run_ms = (1e3 * sum(r[i] for r in rows) / len(rows) for i in (0, 1))
+        num_rows, num_chunks = (sum(r[i] for r in rows) / len(rows) for i in (2, 3))
         print(
             f"| {seqs}-{seqs + args.seq_bucket - 1} | {tokens}-{tokens + args.token_bucket - 1} "
-            f"| {len(rows)} | {step_ms:.2f} | {run_ms:.2f} | {step_ms - run_ms:.2f} |"
+            f"| {len(rows)} | {step_ms:.2f} | {run_ms:.2f} | {step_ms - run_ms:.2f} "
+            f"| {num_rows:.1f} | {num_chunks:.2f} |"
         )
     print(
         f"\n{core.num_steps} steps, {num_output} output tokens in {wall_s:.2f} s: "
         f"{num_output / wall_s:.1f} output tok/s"
     )
     return 0
+
+
+class _FixedStepPacer:
+    """Stands in for `TpotPacer`: every step may take `step_tokens` less its decodes in
+    prompt tokens (a paced step at a fixed slack, without the step-time model)."""
+
+    enabled = True
+
+    def __init__(self, pacer, step_tokens: int) -> None:
+        self.pacer = pacer
+        self.step_tokens = step_tokens
+
+    def max_prefill_tokens(self, now_s: float, running) -> int:
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+        return max(self.step_tokens - decodes, 0)
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        return self.pacer.padded_tokens(num_tokens)
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def forget(self, request_ids) -> None:
+        pass
 
 
 if __name__ == "__main__":
