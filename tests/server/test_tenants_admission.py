@@ -210,6 +210,24 @@ def test_per_request_limits_are_400_naming_the_param(live) -> None:
     assert scrape(live)("sits:tenant_requests_total", tenant="small", outcome="400") == 2
 
 
+def test_an_unset_max_tokens_takes_the_tenants_limit(live) -> None:
+    """OpenAI's clients leave max_tokens out: for chat (and a null max_tokens in completions)
+    it stands for the rest of the context, which a tenant's max_tokens_per_request (8 here)
+    would refuse; it is capped at the limit shared by the request's sequences instead."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "temperature": 0, "ignore_eos": True}
+    with live.http() as http:
+        chat = http.post("/v1/chat/completions", json=body, headers=auth("small"))
+        chat_n2 = http.post("/v1/chat/completions", json={**body, "n": 2}, headers=auth("small"))
+        batch = _complete(http, "small", prompt=[[5, 6], [7, 8]], max_tokens=None, ignore_eos=True)
+        n9 = http.post("/v1/chat/completions", json={**body, "n": 9}, headers=auth("small"))
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 8
+    assert chat_n2.status_code == 200 and chat_n2.json()["usage"]["completion_tokens"] == 2 * 4
+    assert batch.status_code == 200 and batch.json()["usage"]["completion_tokens"] == 2 * 4
+    # Nine samples cannot share 8 tokens: refused by the limit, as an explicit max_tokens is.
+    assert n9.status_code == 400 and n9.json()["error"]["code"] == "max_tokens_per_request"
+
+
 def test_refused_bodies_count_for_their_tenant(live) -> None:
     """A body refused before the handler runs is the 400 of the key's tenant; without a
     known key it is the 401 any other body would get, and no tenant's."""

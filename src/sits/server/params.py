@@ -161,8 +161,26 @@ def check_text_fits(param: str, num_chars: int, tokenizer: Any, max_model_len: i
     )
 
 
+def default_max_tokens_cap(max_tokens_per_request: int | None, num_sequences: int) -> int | None:
+    """The most tokens an unset max_tokens may stand for under a tenant's
+    `max_tokens_per_request` (which bounds max_tokens x n over all prompts): the limit shared
+    by the request's `num_sequences` (prompts x n), or None when the tenant has no limit or
+    the share is under one token (the admission check then refuses the request).
+
+    Without it, a chat request that leaves max_tokens out would ask for the rest of the
+    context and be refused with 400 by any such tenant; OpenAI's clients leave it out."""
+    if max_tokens_per_request is None:
+        return None
+    share = max_tokens_per_request // max(num_sequences, 1)
+    return share if share >= 1 else None
+
+
 def resolve_max_tokens(
-    requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str,
+    default_cap: int | None = None,
 ) -> int:
     """The number of tokens a request may generate (vLLM's rule).
 
@@ -171,6 +189,7 @@ def resolve_max_tokens(
         num_prompt_tokens: the prompt's length in tokens.
         max_model_len: the context limit in tokens.
         prompt_param: the field to blame ("prompt" or "messages").
+        default_cap: the most a None stands for (`default_max_tokens_cap`); None: no cap.
 
     Raises:
         PromptTooLongError: prompt + max_tokens > max_model_len (param "max_tokens" when
@@ -184,7 +203,8 @@ def resolve_max_tokens(
                 "completion. Please reduce the length of the prompt.",
                 param=prompt_param,
             )
-        return max_model_len - num_prompt_tokens
+        fill = max_model_len - num_prompt_tokens
+        return fill if default_cap is None else min(fill, default_cap)
     if num_prompt_tokens + requested > max_model_len:
         raise PromptTooLongError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

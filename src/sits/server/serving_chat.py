@@ -30,6 +30,7 @@ from sits.server.params import (
     check_chat_request,
     check_max_tokens,
     check_text_fits,
+    default_max_tokens_cap,
     resolve_max_tokens,
 )
 from sits.server.protocol import UsageInfo
@@ -111,8 +112,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def build_chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> EnginePrompt:
-    """Render, tokenize and check the chat prompt and resolve its max_tokens.
+def build_chat_prompt(
+    req: ChatCompletionRequest, ctx: ServerContext, max_tokens_per_request: int | None = None
+) -> EnginePrompt:
+    """Render, tokenize and check the chat prompt and resolve its max_tokens (an unset one
+    is capped by the tenant's `max_tokens_per_request`, `default_max_tokens_cap`).
 
     Raises:
         InvalidParameterError, PromptTooLongError: naming the field at fault.
@@ -129,7 +133,8 @@ def build_chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> EngineP
     )
     token_ids = drop_double_bos(list(token_ids), tokenizer.bos_token_id)
     check_prompt_ids(token_ids, tokenizer, "messages")
-    max_tokens = resolve_max_tokens(requested, len(token_ids), ctx.max_model_len, "messages")
+    cap = default_max_tokens_cap(max_tokens_per_request, base.n)
+    max_tokens = resolve_max_tokens(requested, len(token_ids), ctx.max_model_len, "messages", cap)
     return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=max_tokens))
 
 
@@ -247,7 +252,7 @@ async def create_chat_completion(
     def prepare(tenant: TenantConfig) -> GenerationJob:
         ctx.check_model(req.model)
         check_chat_request(req)
-        prompts.append(build_chat_prompt(req, ctx))
+        prompts.append(build_chat_prompt(req, ctx, tenant.max_tokens_per_request))
         return ctx.new_job(
             "chatcmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
         )

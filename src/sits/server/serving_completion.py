@@ -30,6 +30,7 @@ from sits.server.params import (
     check_completion_request,
     check_text_fits,
     completion_sampling_params,
+    default_max_tokens_cap,
     resolve_max_tokens,
 )
 from sits.server.protocol import UsageInfo
@@ -67,9 +68,13 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
 
 
 def build_prompts(
-    req: CompletionRequest, ctx: ServerContext, base: SamplingParams
+    req: CompletionRequest,
+    ctx: ServerContext,
+    base: SamplingParams,
+    max_tokens_per_request: int | None = None,
 ) -> list[EnginePrompt]:
-    """Tokenize and check every prompt and give each its resolved max_tokens.
+    """Tokenize and check every prompt and give each its resolved max_tokens (a null one is
+    capped by the tenant's `max_tokens_per_request`, `default_max_tokens_cap`).
 
     Raises:
         InvalidParameterError: an empty prompt or a token id outside the vocabulary.
@@ -77,7 +82,9 @@ def build_prompts(
     """
     tokenizer = ctx.tokenizer
     prompts = []
-    for item in _split_prompts(req.prompt):
+    items = _split_prompts(req.prompt)
+    cap = default_max_tokens_cap(max_tokens_per_request, len(items) * base.n)
+    for item in items:
         if isinstance(item, str):
             text: str | None = item
             check_text_fits("prompt", len(item), tokenizer, ctx.max_model_len)
@@ -85,7 +92,9 @@ def build_prompts(
         else:
             text, token_ids = None, list(item)
         check_prompt_ids(token_ids, tokenizer, "prompt")
-        max_tokens = resolve_max_tokens(req.max_tokens, len(token_ids), ctx.max_model_len, "prompt")
+        max_tokens = resolve_max_tokens(
+            req.max_tokens, len(token_ids), ctx.max_model_len, "prompt", cap
+        )
         prompts.append(
             EnginePrompt(text, token_ids, dataclasses.replace(base, max_tokens=max_tokens))
         )
@@ -262,7 +271,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         ctx.check_model(req.model)
         check_completion_request(req)
         base = completion_sampling_params(req, req.max_tokens)
-        prompts.extend(build_prompts(req, ctx, base))
+        prompts.extend(build_prompts(req, ctx, base, tenant.max_tokens_per_request))
         return ctx.new_job(
             "cmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
         )
