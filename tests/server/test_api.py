@@ -239,6 +239,10 @@ def test_bad_types_are_400_not_422(server) -> None:
             "/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": "x"}}
         )
         assert resp.json()["error"]["message"].startswith("stream_options.include_usage: ")
+        # No coercion of strings, as OpenAI's API: "5" is not an integer, "yes" not a boolean.
+        for field, value in (("max_tokens", "5"), ("stream", "yes"), ("n", 1.5)):
+            resp = http.post("/v1/completions", json={"prompt": "x", field: value})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == field
 
 
 def test_content_parts_are_joined(client, server, model_name) -> None:

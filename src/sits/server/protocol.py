@@ -15,9 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class RequestModel(BaseModel):
-    """Base of every request body: unknown fields are a 400, never silently ignored."""
+    """Base of every request body: unknown fields are a 400, never silently ignored, and no
+    value is coerced (strict: "5" is no integer and "yes" no boolean, as in OpenAI's API; an
+    integer is still a valid float)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorInfo(BaseModel):
