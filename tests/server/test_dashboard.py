@@ -28,6 +28,7 @@ from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, tenant, tenant_engine
 
 PRICE_PER_HOUR = 1.5
+ADMIN_KEY = "sk-admin-dashboard"  # with tenants, recent requests are shown to the admin only
 BUDGET_TOKENS = 32
 TENANTS = TenantsConfig(
     (tenant("gold", ttft_ms=600_000), tenant("free", ttft_ms=0.001), tenant("idle"))
@@ -41,6 +42,9 @@ RUN = (
     ("free", 90, 5, 1),
 )
 NUM_SAMPLES = sum(n for *_, n in RUN)
+
+
+_ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def _complete(base_url: str, index: int) -> dict[str, Any]:
@@ -60,6 +64,7 @@ def run(tiny_moe_dir):
         tenants=TENANTS,
         qos=QosSettings(overload=NEVER_OVERLOADED),  # free's SLO alone would turn it red
         gpu_price_per_hour=PRICE_PER_HOUR,
+        admin_key=ADMIN_KEY,
     )
     engine = tenant_engine(tiny_moe_dir, TENANTS, max_num_batched_tokens=BUDGET_TOKENS)
     with LiveServer(engine, settings) as live:
@@ -67,7 +72,7 @@ def run(tiny_moe_dir):
             responses = list(pool.map(lambda i: _complete(live.base_url, i), range(len(RUN))))
         assert live.wait_until(lambda: live.engine.stats().num_running == 0, 10)
         with live.http() as http:
-            data = http.get("/dashboard/data").json()
+            data = http.get("/dashboard/data", headers=_ADMIN).json()
         yield live, responses, data
 
 
@@ -163,7 +168,7 @@ def test_page_references_only_existing_endpoints(run) -> None:
         local = [u for u in urls if not u.startswith("data:")]
         assert local == ["/dashboard/data"]
         for url in local:
-            assert http.get(url).status_code == 200, url
+            assert http.get(url, headers=_ADMIN).status_code == 200, url
     # Nothing is loaded from outside the server (the SVG namespace is a name, not a fetch).
     assert set(re.findall(r"https?://[^\s\"')]+", html)) <= {"http://www.w3.org/2000/svg"}
     assert "<script src" not in html and '<link rel="stylesheet"' not in html
@@ -233,7 +238,17 @@ def test_dashboard_in_headless_chromium_shows_the_run(run, browser) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     live, responses, data = run
+    from selenium.webdriver.common.by import By
+
     browser.get(f"{live.base_url}/dashboard?poll_ms=200")
+    # The first poll gets 401 and shows the key form; the page keeps the key for its polls.
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "admin-key").is_displayed())
+    browser.find_element(By.ID, "admin-key").send_keys(ADMIN_KEY)
+    browser.find_element(By.ID, "admin-key").submit()
+    # Polls run one after another: once one rendered, every later one carries the key.
+    WebDriverWait(browser, 60).until(lambda d: d.execute_script(_READ_PAGE_JS)["polls"] >= 1)
+    before_key = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert before_key and all("/dashboard/data" in m and "401" in m for m in before_key)
     WebDriverWait(browser, 60).until(lambda d: d.execute_script(_READ_PAGE_JS)["polls"] >= 2)
     page = browser.execute_script(_READ_PAGE_JS)
     usages = [r["usage"] for r in responses]

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 from sits.cli.serve import add_serve_parser
 from sits.core.errors import InvalidParameterError
 from sits.engine.core import PrefillChunk
+from sits.server import dashboard
 from sits.server.context import ServerSettings
 from sits.server.dashboard import (
     MetricSamples,
@@ -118,6 +119,39 @@ def test_dashboard_data_needs_the_admin_key_when_one_is_set() -> None:
     page = client.get("/dashboard")  # the page itself is static and asks for the key
     assert page.status_code == 200 and page.text == dashboard_html()
     assert 'id="key-form"' in page.text
+
+
+def test_recent_requests_are_hidden_with_tenants_and_no_admin_key(monkeypatch) -> None:
+    """A tenant never sees another's requests: with tenants and no admin key the data keeps
+    its aggregates but no request (nor asks the engine for its chunks)."""
+    full = {"totals": {"prompt_tokens": 7.0}, "requests": [{"request_id": "cmpl-1"}]}
+    monkeypatch.setattr(dashboard, "dashboard_data", lambda ctx, chunks: {**full, "chunks": chunks})
+
+    async def chunks(engine) -> list:
+        return ["chunk"]
+
+    monkeypatch.setattr(dashboard, "_engine_chunks", chunks)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(dashboard_router)
+    client = TestClient(app)
+    tenants = object()  # any configured tenants
+    for tenants_config, admin_key, shown in (
+        (None, None, True),  # one default tenant: open like /metrics
+        (tenants, None, False),
+        (tenants, "sekret", True),  # the operator's key sees everything
+    ):
+        settings = SimpleNamespace(admin_key=admin_key, tenants=tenants_config)
+        app.state.ctx = SimpleNamespace(settings=settings, engine=None)
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        data = client.get("/dashboard/data", headers=headers).json()
+        assert data["totals"] == full["totals"]
+        if shown:
+            assert data["requests"] == full["requests"] and data["chunks"] == ["chunk"]
+            assert data["requests_hidden"] is None
+        else:
+            assert data["requests"] == [] and data["chunks"] == []
+            assert data["requests_hidden"] == dashboard.REQUESTS_HIDDEN
 
 
 def test_gpu_price_setting_and_flag() -> None:

@@ -15,7 +15,10 @@ latest requests.
   relative to the request's arrival (`*_s`) or ages before `time_s`;
 - experts: the engine's last expert snapshot (`EngineStats.experts`), null for a dense model.
 Access: open like `/metrics`; with an admin key (`--admin-key`) the data needs it
-(`Authorization: Bearer KEY`; the page asks for it), since it names recent requests.
+(`Authorization: Bearer KEY`; the page asks for it), since it names recent requests. With
+tenants (`--tenants`) and no admin key, the recent requests are left out (`requests` empty,
+`requests_hidden` says why): they are the tenants', and a tenant never sees another's
+requests; the aggregates stay, as on `/metrics`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ DATA_PATH = "/dashboard/data"
 MAX_TIMELINES_SHOWN = 40
 _CHUNKS_TIMEOUT_S = 2.0
 _SLO_KINDS = ("ttft", "tpot")
+REQUESTS_HIDDEN = (
+    "Recent requests are hidden: they belong to tenants and no admin key is set (start the "
+    "server with --admin-key to see them)."
+)
 _LabelKey = tuple[str, frozenset[tuple[str, str]]]
 
 
@@ -291,6 +298,12 @@ async def dashboard_page() -> HTMLResponse:
 async def dashboard_json(request: Request) -> JSONResponse:
     """The dashboard's data (see `dashboard_data`)."""
     ctx: ServerContext = request.app.state.ctx
-    _check_access(request, ctx.settings.admin_key)
-    chunks = await _engine_chunks(ctx.engine)
-    return JSONResponse(dashboard_data(ctx, chunks), headers={"Cache-Control": "no-store"})
+    settings = ctx.settings
+    _check_access(request, settings.admin_key)
+    hide = settings.tenants is not None and not settings.admin_key
+    chunks = [] if hide else await _engine_chunks(ctx.engine)
+    data = dashboard_data(ctx, chunks)
+    data["requests_hidden"] = REQUESTS_HIDDEN if hide else None
+    if hide:
+        data["requests"] = []
+    return JSONResponse(data, headers={"Cache-Control": "no-store"})
