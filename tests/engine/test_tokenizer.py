@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+import sits
 from sits.core.errors import InvalidParameterError, ModelNotFoundError
 from sits.engine.tokenizer import Tokenizer
 from sits.testing.tokenizer import save_tiny_tokenizer, save_tiny_tokenizer_with_bos
@@ -162,3 +164,18 @@ def test_missing_directory_raises(tmp_path: Path) -> None:
         Tokenizer(tmp_path / "nope")
     with pytest.raises(ModelNotFoundError):
         Tokenizer(tmp_path)  # exists but holds no tokenizer files
+
+
+def test_a_text_longer_than_the_model_encodes_without_transformers_warning(caplog) -> None:
+    """The server refuses such prompts itself (400); transformers' own warning only repeated
+    it in the log. Same ids as transformers."""
+    demo_dir = str(Path(sits.__file__).parent / "demo_model")  # model_max_length 2048
+    tok = Tokenizer(demo_dir)
+    text = "hello " * 3000
+    with caplog.at_level(logging.WARNING):
+        ids = tok.encode(text)
+    warned = [r for r in caplog.records if "sequence length is longer" in r.getMessage()]
+    with caplog.at_level(logging.WARNING):  # the check's own check: transformers does warn
+        expected = AutoTokenizer.from_pretrained(demo_dir).encode(text)
+    assert ids == expected and len(ids) > tok.hf_tokenizer.model_max_length
+    assert warned == [] and "sequence length is longer" in caplog.text

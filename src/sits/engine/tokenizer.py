@@ -87,8 +87,12 @@ class Tokenizer:
         return bool(getattr(self._hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens` the post-processor adds BOS etc."""
-        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of `text`; with `add_special_tokens` the post-processor adds BOS etc.
+
+        transformers' warning for a text longer than the model is off (verbose=False): the
+        engine and the server check the length themselves and refuse such a prompt with a
+        clear error, so the warning only repeated it in the log."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids` (no clean-up of spaces; invalid UTF-8 becomes U+FFFD)."""
