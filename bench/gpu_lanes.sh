@@ -3,6 +3,8 @@
 # cut at LANE_TIMEOUT seconds (default 560), then pack every log and JSON into $OUT/all-lanes.tgz
 # (the device tool brings back at most 8 files). Prints each lane's table at the end.
 # Usage: bash bench/gpu_lanes.sh "SECTIONS FOR GPU 0" "SECTIONS FOR GPU 1" ...
+# A lane's leading NAME=VALUE words are environment for that lane only, e.g.
+#   bash bench/gpu_lanes.sh "qos qos_fcfs" "QOS_SERVE_ARGS=--tpot-pacing-fraction=0.95 qos qos_fcfs"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_ROOT="${OUT:-/tmp/sits-gpu-lanes}"
@@ -10,9 +12,13 @@ mkdir -p "$OUT_ROOT"
 gpu=0
 for sections in "$@"; do
   lane="$OUT_ROOT/lane$gpu"; mkdir -p "$lane"
-  # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpu OUT="$lane" timeout "${LANE_TIMEOUT:-560}" \
-    bash bench/gpu_check.sh $sections >"$lane/console.txt" 2>&1 &
+  lane_env=()
+  read -ra words <<<"$sections"
+  while ((${#words[@]})) && [[ ${words[0]} == [A-Za-z_]*=* ]]; do
+    lane_env+=("${words[0]}"); words=("${words[@]:1}")
+  done
+  env "${lane_env[@]}" CUDA_VISIBLE_DEVICES=$gpu OUT="$lane" timeout "${LANE_TIMEOUT:-560}" \
+    bash bench/gpu_check.sh "${words[@]}" >"$lane/console.txt" 2>&1 &
   gpu=$((gpu + 1))
 done
 wait
