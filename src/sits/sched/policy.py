@@ -22,6 +22,7 @@ and the victim is the latest arrival, which is today's FCFS behaviour.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -92,7 +93,8 @@ def victim_key(request: Request, tenant: TenantState, arrival_seq: int, fair: bo
 
 
 class WaitingQueue:
-    """One tenant's waiting requests in service order.
+    """One tenant's waiting requests in service order, with their load kept as they come and
+    go (`load`), so the stats need no pass over the queue.
 
     Args:
         fifo: True for FCFS (new requests at the back, preempted ones at the front); False
@@ -103,6 +105,13 @@ class WaitingQueue:
         self.fifo = fifo
         self._fifo: deque[Request] = deque()
         self._keyed: list[tuple[tuple, Request]] = []
+        # Per request tenant id (one FIFO queue may hold several): tokens queued, and a
+        # min-heap of (arrival_time, push number, request id) whose stale entries (requests
+        # no longer queued, or queued again under a newer push number) are dropped lazily.
+        self._tokens: dict[str, int] = {}
+        self._arrivals: dict[str, list[tuple[float, int, str]]] = {}
+        self._pushed: dict[str, tuple[int, int]] = {}  # request id -> (push number, tokens)
+        self._num_pushes = 0
 
     def push(self, request: Request, key: tuple, *, preempted: bool = False) -> None:
         """Queue a request (`key` orders it in keyed mode; FIFO mode ignores it)."""
@@ -112,9 +121,32 @@ class WaitingQueue:
             self._fifo.appendleft(request)
         else:
             self._fifo.append(request)
+        tenant_id, num_tokens = request.tenant_id, len(request.all_token_ids)
+        self._num_pushes += 1
+        self._pushed[request.request_id] = (self._num_pushes, num_tokens)
+        self._tokens[tenant_id] = self._tokens.get(tenant_id, 0) + num_tokens
+        heap = self._arrivals.setdefault(tenant_id, [])
+        heapq.heappush(heap, (request.arrival_time, self._num_pushes, request.request_id))
+        if len(heap) > 2 * len(self) + 16:  # stale entries piled up under an old one
+            heap[:] = [e for e in heap if self._pushed.get(e[2], (0,))[0] == e[1]]
+            heapq.heapify(heap)
+
+    def load(self) -> dict[str, tuple[float, int]]:
+        """Request tenant id -> (arrival_time of its oldest queued request, tokens of its
+        queued requests: all of each one's tokens, prompt and outputs, as when queued), for
+        the tenant ids with queued requests. O(tenant ids) amortized."""
+        out = {}
+        for tenant_id, heap in self._arrivals.items():
+            while heap and self._pushed.get(heap[0][2], (0,))[0] != heap[0][1]:
+                heapq.heappop(heap)
+            if heap:
+                out[tenant_id] = (heap[0][0], self._tokens[tenant_id])
+        return out
 
     def remove(self, request: Request) -> None:
         """Take a queued request out (by identity; it must be queued)."""
+        _, num_tokens = self._pushed.pop(request.request_id)
+        self._tokens[request.tenant_id] -= num_tokens
         if self.fifo:
             if self._fifo[0] is request:
                 self._fifo.popleft()

@@ -43,17 +43,17 @@ class SchedulerQueries:
     def queued_prefill(self) -> dict[str, tuple[float | None, int]]:
         """Request tenant id -> (arrival_time of its oldest waiting request, or None when none
         waits; tokens still to prefill: every token of its waiting requests plus the prompt
-        tokens its running requests have not computed), for tenant ids with any. O(requests),
-        one pass with plain accumulators (the stats snapshot calls it every few steps)."""
+        tokens its running requests have not computed), for tenant ids with any.
+        O(running requests + tenant ids): the queues keep their load (`WaitingQueue.load`),
+        and the stats snapshot calls this every step under load (it was a pass over every
+        queued request: 1.5 ms per step with 3,000 queued on the H200's host)."""
         oldest: dict[str, float] = {}
         tokens: dict[str, int] = {}
         for tenant in self._book.tenants.values():
-            for request in tenant.queue:
-                tenant_id = request.tenant_id
-                arrival_s = request.arrival_time
+            for tenant_id, (arrival_s, num_tokens) in tenant.queue.load().items():
                 if tenant_id not in oldest or arrival_s < oldest[tenant_id]:
                     oldest[tenant_id] = arrival_s
-                tokens[tenant_id] = tokens.get(tenant_id, 0) + len(request.all_token_ids)
+                tokens[tenant_id] = tokens.get(tenant_id, 0) + num_tokens
         for request in self._running:
             left = len(request.prompt_token_ids) - request.num_computed_tokens
             if left > 0:
@@ -92,7 +92,7 @@ class SchedulerQueries:
         a TTFT SLO, and those whose oldest waiting request arrived at least
         `patience_fraction` x their TTFT SLO before `now_s` (time.monotonic()). Until then
         their protected slots and blocks take what finishing requests free, with no work
-        thrown away. O(those tenants' waiting requests)."""
+        thrown away. O(tenants) amortized (`WaitingQueue.load`)."""
         due = []
         for tenant in self._book.tenants.values():
             policy = tenant.policy
@@ -101,7 +101,7 @@ class SchedulerQueries:
             if policy.ttft_ms is None:
                 due.append(policy.tenant_id)
                 continue
-            oldest_s = min(request.arrival_time for request in tenant.queue)
+            oldest_s = min(arrival_s for arrival_s, _ in tenant.queue.load().values())
             if now_s - oldest_s >= patience_fraction * policy.ttft_ms / 1000:
                 due.append(policy.tenant_id)
         return frozenset(due)
