@@ -243,6 +243,9 @@ def test_bad_types_are_400_not_422(server) -> None:
         for field, value in (("max_tokens", "5"), ("stream", "yes"), ("n", 1.5)):
             resp = http.post("/v1/completions", json={"prompt": "x", field: value})
             assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+        # A null where null is no value means the default (OpenAI): "n": null is one choice.
+        resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": None})
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 1
 
 
 def test_content_parts_are_joined(client, server, model_name) -> None:

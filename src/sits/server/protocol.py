@@ -9,17 +9,39 @@ request argument"); the error handler names the field in `param`.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RequestModel(BaseModel):
     """Base of every request body: unknown fields are a 400, never silently ignored, and no
     value is coerced (strict: "5" is no integer and "yes" no boolean, as in OpenAI's API; an
-    integer is still a valid float)."""
+    integer is still a valid float). A null for a field that cannot be null (e.g. "n")
+    means its default, as OpenAI's API reads it; where null is a value (a completion's
+    "max_tokens": null fills the context) it stays."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None
+            or name not in fields
+            or fields[name].is_required()
+            or _allows_none(fields[name].annotation)
+        }
+
+
+def _allows_none(annotation: Any) -> bool:
+    """Whether a field's type takes None (`X | None`, Optional[X], Any)."""
+    return annotation is Any or annotation is None or type(None) in get_args(annotation)
 
 
 class ErrorInfo(BaseModel):
