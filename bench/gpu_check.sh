@@ -26,6 +26,9 @@
 #   steps    step cost by shape (bench/step_costs.py): wall and runner ms of steps grouped by
 #            decoding sequences and prefill tokens, 1024 x 512/128 offline FCFS, budgets 2048
 #            and 8192 tokens (the data TPOT pacing works with)
+#   paced    the same engine run at fixed step sizes, as pacing cuts steps (768 x 512/128,
+#            FCFS then 768, 1024, 1152, 1280, 1536 tokens per step): output tok/s and the cost
+#            of full-batch steps per size (~4 min)
 #   mixed    mixed-step CUDA graphs (on by default): their GPU tests, then qwen3-30b-a3b
 #            offline 256 x 512/128 and 2048-token TTFT without (--no-...) and with them
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
@@ -64,6 +67,11 @@ if has steps; then
     run "step_costs_$budget" python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
       --num-prompts 1024 --input-len 512 --output-len 128 --max-num-batched-tokens "$budget"
   done
+fi
+if has paced; then
+  run step_costs_paced python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
+    --num-prompts 768 --input-len 512 --output-len 128 --token-bucket 128 --seq-bucket 32 \
+    --paced-step-tokens 0,768,1024,1152,1280,1536
 fi
 if has profile; then
   run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \

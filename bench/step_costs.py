@@ -10,7 +10,11 @@ Usage (GPU machine, repo root):
         --num-prompts 1024 --input-len 512 --output-len 128
 
 Prints a table: decoding sequences (bucket), prefill tokens (bucket), steps, mean step ms,
-mean runner ms, mean host ms (step - runner); then the totals.
+mean runner ms, mean host ms (step - runner), rows run (CUDA-graph padding included) and
+prompt chunks; then the totals. `--paced-step-tokens 0,1024,1280` repeats the run in the same
+engine once per value, each capping every step at that many tokens as pacing with a fixed
+slack does (0: FCFS), and ends with a summary per value: output tok/s, and the mean runner ms
+and rows of steps with prompt tokens and a full decode batch (`--full-batch`).
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     from sits import LLM
     from sits.bench.offline_common import random_prompts
     from sits.bench.shapes import write_shape_dir
-    from sits.core.sampling_params import SamplingParams
-    from sits.engine.requests import make_engine_requests
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--random-weights", default="qwen3-30b-a3b")
@@ -45,10 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-bucket", type=int, default=512)
     p.add_argument(
         "--paced-step-tokens",
+        default="0",
+        help="comma-separated runs, one engine: each caps every step at this many tokens "
+        "(decodes first, then prompt chunks cut to fit), as TPOT pacing does with a fixed "
+        "slack; 0: FCFS (the token budget only). E.g. 0,1024,1280,1536",
+    )
+    p.add_argument(
+        "--full-batch",
         type=int,
-        default=0,
-        help="cap every step at this many tokens (decodes first, then prompt chunks cut to "
-        "fit), as TPOT pacing does with a fixed slack; 0: FCFS (the token budget only)",
+        default=224,
+        help="the summary averages steps with prompt tokens and at least this many decodes",
     )
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
@@ -74,13 +82,38 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     runner.run = timed_run  # this script's own engine: nothing else sees the wrapper
-    if args.paced_step_tokens:
-        core.pacer = _FixedStepPacer(core.pacer, args.paced_step_tokens)
     vocab = runner.model.config.vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
+    fcfs_pacer = core.pacer
+    summary = []
+    for index, step_tokens in enumerate(int(t) for t in args.paced_step_tokens.split(",")):
+        core.pacer = _FixedStepPacer(fcfs_pacer, step_tokens) if step_tokens else fcfs_pacer
+        print(f"\n## paced step tokens: {step_tokens or 'off (FCFS)'}")
+        summary.append((step_tokens, *_run_pass(core, runner_s, args, prompts, f"p{index}-")))
+    print(
+        f"\n| paced step tokens | steps | output tok/s | steps at >= {args.full_batch} "
+        "decodes | their runner ms | their rows run |"
+    )
+    print("|---|---|---|---|---|---|")
+    for step_tokens, num_steps, tok_s, num_full, run_ms, rows in summary:
+        print(
+            f"| {step_tokens or 'FCFS'} | {num_steps} | {tok_s:.1f} | {num_full} | {run_ms:.2f} "
+            f"| {rows:.1f} |"
+        )
+    return 0
+
+
+def _run_pass(core, runner_s: list[float], args, prompts, id_prefix: str) -> tuple:
+    """One offline run of every prompt; prints its table. Returns (steps, output tok/s,
+    steps with at least `args.full_batch` decodes, their mean runner ms and rows run)."""
+    from sits.core.sampling_params import SamplingParams
+    from sits.engine.requests import make_engine_requests
+
+    runner = core.runner
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    for i, ids in enumerate(random_prompts(args.num_prompts, args.input_len, vocab, seed=0)):
+    for i, ids in enumerate(prompts):
         for child in make_engine_requests(
-            f"r{i}",
+            f"{id_prefix}{i}",
             ids,
             params,
             eos_token_ids=(),
@@ -89,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         ):
             core.add_request(child)
     groups: dict[tuple[int, int], list[tuple[float, float]]] = collections.defaultdict(list)
-    start = time.perf_counter()
+    full: list[tuple[float, int]] = []
+    start, first_step = time.perf_counter(), core.num_steps
     num_output = 0
     sched = core.scheduler
     while core.has_unfinished_requests():
@@ -102,17 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         num_output += sum(len(o.new_token_ids) for o in outputs)
         prefill = core.num_prefill_tokens - prefill_before
         key = (_bucket(decoding, args.seq_bucket), _bucket(prefill, args.token_bucket))
-        groups[key].append(
-            (
-                step_s,
-                runner_s[-1] if runner_s else 0.0,
-                runner.num_rows_run - rows_before,
-                core.num_prefill_chunks - chunks_before,
-            )
+        sample = (
+            step_s,
+            runner_s[-1] if runner_s else 0.0,
+            runner.num_rows_run - rows_before,
+            core.num_prefill_chunks - chunks_before,
         )
+        groups[key].append(sample)
+        if decoding >= args.full_batch and prefill:
+            full.append((sample[1], sample[2]))
     wall_s = time.perf_counter() - start
     print(
-        "\n| decoding seqs | prefill tokens | steps | step ms | runner ms | host ms | rows run "
+        "| decoding seqs | prefill tokens | steps | step ms | runner ms | host ms | rows run "
         "| chunks |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -124,11 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {len(rows)} | {step_ms:.2f} | {run_ms:.2f} | {step_ms - run_ms:.2f} "
             f"| {num_rows:.1f} | {num_chunks:.2f} |"
         )
+    num_steps = core.num_steps - first_step
     print(
-        f"\n{core.num_steps} steps, {num_output} output tokens in {wall_s:.2f} s: "
+        f"{num_steps} steps, {num_output} output tokens in {wall_s:.2f} s: "
         f"{num_output / wall_s:.1f} output tok/s"
     )
-    return 0
+    num_full = len(full)
+    run_ms = 1e3 * sum(f[0] for f in full) / num_full if full else 0.0
+    rows = sum(f[1] for f in full) / num_full if full else 0.0
+    return num_steps, num_output / wall_s, num_full, run_ms, rows
 
 
 class _FixedStepPacer:
