@@ -235,6 +235,13 @@ def test_bad_types_are_400_not_422(server) -> None:
         assert resp.json()["error"]["param"] == "prompt"
         resp = http.post("/v1/completions", json={"prompt": "x", "stop": 5})
         assert resp.json()["error"]["message"] == "stop: expected one of str, list[str]."
+        # ...also inside a list: the message names the element, the param its field.
+        bad_content = {"messages": [{"role": "user", "content": 5}]}
+        resp = http.post("/v1/chat/completions", json=bad_content)
+        assert resp.json()["error"]["message"] == (
+            "messages.0.content: expected one of str, list[ContentPart]."
+        )
+        assert resp.json()["error"]["param"] == "messages"
         resp = http.post(
             "/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": "x"}}
         )

@@ -133,9 +133,9 @@ def validation_error(exc: RequestValidationError) -> ServerError:
         if kind in ("model_attributes_type", "dict_type", "model_type"):
             return ServerError(400, f"The request body is not a JSON object: {_SEND_JSON}.")
         return ServerError(400, f"Invalid request body: {first.get('msg', '')}.")
-    branches = _union_branches(errors, loc[0])
+    union_at, branches = _union_branches(errors, loc)
     if len(branches) > 1:  # pydantic tried each type of a union field: name them all
-        return ServerError(400, f"{param}: expected one of {', '.join(branches)}.", param=param)
+        return ServerError(400, f"{union_at}: expected one of {', '.join(branches)}.", param=param)
     where = ".".join(str(part) for part in loc)
     return ServerError(400, f"{where}: {first.get('msg', 'invalid value')}.", param=param)
 
@@ -143,19 +143,26 @@ def validation_error(exc: RequestValidationError) -> ServerError:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
-def _union_branches(errors: list[Any], field: Any) -> list[str]:
-    """The union member types pydantic tried for `field` (the second part of each error's
-    location when it names a type, e.g. "str", "list[int]"), in order; [] or one entry when
-    the field is not a union (a nested model's field names are not type tags)."""
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+def _union_branches(errors: list[Any], loc: list[Any]) -> tuple[str, list[str]]:
+    """Where the first error's union field is ("prompt", "messages.0.content") and the member
+    types pydantic tried for it (the location part after it that names a type, e.g. "str",
+    "list[int]", "list[ContentPart]"), in order; no branches, or one, when the first error
+    is not in a union."""
+    index = next((i for i, part in enumerate(loc) if i and _is_type_tag(part)), None)
+    if index is None:
+        return "", []
+    prefix = loc[:index]
     branches: list[str] = []
     for error in errors:
-        loc = [part for part in error.get("loc", ()) if part != "body"]
-        if len(loc) < 2 or loc[0] != field or not isinstance(loc[1], str):
-            continue
-        tag = loc[1]
-        if (tag in _TYPE_TAGS or "[" in tag) and tag not in branches:
+        other = [part for part in error.get("loc", ()) if part != "body"]
+        tag = other[index] if len(other) > index and other[:index] == prefix else None
+        if _is_type_tag(tag) and tag not in branches:
             branches.append(tag)
-    return branches
+    return ".".join(str(part) for part in prefix), branches
 
 
 InvalidBodyHook = Callable[[Request, ServerError], Awaitable[ServerError]]
