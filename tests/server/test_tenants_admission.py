@@ -224,8 +224,9 @@ def test_an_unset_max_tokens_takes_the_tenants_limit(live) -> None:
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 8
     assert chat_n2.status_code == 200 and chat_n2.json()["usage"]["completion_tokens"] == 2 * 4
     assert batch.status_code == 200 and batch.json()["usage"]["completion_tokens"] == 2 * 4
-    # Nine samples cannot share 8 tokens: refused by the limit, as an explicit max_tokens is.
+    # Nine samples cannot share 8 tokens: one each is still over the limit, and says so.
     assert n9.status_code == 400 and n9.json()["error"]["code"] == "max_tokens_per_request"
+    assert n9.json()["error"]["message"].startswith("The request may generate up to 9 tokens")
 
 
 def test_refused_bodies_count_for_their_tenant(live) -> None:

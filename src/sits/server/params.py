@@ -164,15 +164,15 @@ def check_text_fits(param: str, num_chars: int, tokenizer: Any, max_model_len: i
 def default_max_tokens_cap(max_tokens_per_request: int | None, num_sequences: int) -> int | None:
     """The most tokens an unset max_tokens may stand for under a tenant's
     `max_tokens_per_request` (which bounds max_tokens x n over all prompts): the limit shared
-    by the request's `num_sequences` (prompts x n), or None when the tenant has no limit or
-    the share is under one token (the admission check then refuses the request).
+    by the request's `num_sequences` (prompts x n), at least 1 (more sequences than the limit
+    has tokens: the admission check then refuses one token each), or None when the tenant has
+    no limit.
 
     Without it, a chat request that leaves max_tokens out would ask for the rest of the
     context and be refused with 400 by any such tenant; OpenAI's clients leave it out."""
     if max_tokens_per_request is None:
         return None
-    share = max_tokens_per_request // max(num_sequences, 1)
-    return share if share >= 1 else None
+    return max(max_tokens_per_request // max(num_sequences, 1), 1)
 
 
 def resolve_max_tokens(
