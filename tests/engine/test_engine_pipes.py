@@ -10,6 +10,7 @@ import time
 
 import sits.engine.engine_proc as engine_proc
 from sits.engine.async_mp import AsyncMPLLM
+from tests.engine.fake_pipes import Inbox
 
 
 class _BlockingConn:
@@ -59,16 +60,6 @@ def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
     clock = [100.0]
     monkeypatch.setattr(engine_proc.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(engine_proc, "MAX_DRAIN_S", 64 / 1024)  # binary fractions: exact sums
-
-    class Inbox:
-        def __init__(self, commands: list[tuple]) -> None:
-            self.commands = commands
-
-        def poll(self, timeout: float = 0) -> bool:
-            return bool(self.commands)
-
-        def recv(self) -> tuple:
-            return self.commands.pop(0)
 
     class Outbox:
         def __init__(self) -> None:

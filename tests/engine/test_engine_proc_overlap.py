@@ -11,19 +11,7 @@ from sits.core.sampling_params import SamplingParams
 from sits.engine.async_llm import EngineStats
 from sits.engine.async_mp import AsyncMPLLM
 from sits.engine.requests import make_engine_requests
-
-
-class _Inbox:
-    """The child's end of the command pipe, over a list of commands."""
-
-    def __init__(self, commands: list[tuple]) -> None:
-        self.commands = commands
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return bool(self.commands)
-
-    def recv(self) -> tuple:
-        return self.commands.pop(0)
+from tests.engine.fake_pipes import Inbox
 
 
 def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc._EngineProc:
@@ -58,7 +46,7 @@ def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc
             proc.stopping = True
 
     proc.core, proc.driver, proc.out_conn = Core(), Driver(), Conn()
-    proc.cmd_conn = _Inbox([])
+    proc.cmd_conn = Inbox([])
     proc.loop_times, proc.pending, proc.stopping = None, None, False
     proc.deferred, proc.took_adds = [], False
     proc.stats_time_s = 0.0
@@ -131,7 +119,7 @@ def _inbox_proc(commands: list[tuple], handled: list[str]) -> engine_proc._Engin
     """An `_EngineProc` with the real `while_gpu_runs` and `drain` over an inbox of commands;
     `handle` records each command's kind and first argument."""
     proc = object.__new__(engine_proc._EngineProc)
-    proc.cmd_conn = _Inbox(commands)
+    proc.cmd_conn = Inbox(commands)
     proc.out_conn = types.SimpleNamespace(send=lambda message: handled.append(message[0]))
     proc.pending, proc.stopping, proc.deferred, proc.took_adds = None, False, [], False
     proc.core = types.SimpleNamespace(has_unfinished_requests=lambda: True)
@@ -159,7 +147,7 @@ def test_new_requests_are_taken_during_the_forward_and_other_commands_after_the_
 def test_a_stalled_step_that_took_new_requests_steps_again_without_waiting() -> None:
     log: list[str] = []
     proc = _proc(log, num_steps=2, device_steps={1, 2})
-    proc.cmd_conn = _Inbox([("add", "x")])
+    proc.cmd_conn = Inbox([("add", "x")])
     proc.handle = lambda command: log.append(f"handle {command[1]}")
     waits: list[bool] = []
 

@@ -30,10 +30,19 @@ class _Core:
         self.scheduler = type("Scheduler", (), {"num_preemptions": 0})()
 
 
-def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
-    clock = [100.0]
+def _profile(
+    start_s: float, period_s: float, runner: object = None
+) -> tuple[list[float], _Core, LoopProfile]:
+    """(a settable clock at `start_s`, a fake core with `runner` if given, its profile)."""
+    clock = [start_s]
     core = _Core()
-    profile = LoopProfile(core, period_s=2.0, clock=lambda: clock[0])
+    if runner is not None:
+        core.runner = runner
+    return clock, core, LoopProfile(core, period_s=period_s, clock=lambda: clock[0])
+
+
+def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
+    clock, core, profile = _profile(100.0, period_s=2.0)
     assert profile.maybe_log() is None  # no time has passed
     # 4 steps in 2 s: 0.5 s of runner, 0.125 s of schedule and update each, per 4 steps.
     core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 4, 400, 1024
@@ -68,12 +77,10 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
 
 
 def test_a_runner_with_counters_splits_its_phase_and_counts_rows_run() -> None:
-    clock = [100.0]
-    core = _Core()
-    core.runner = type(
+    runner = type(
         "Runner", (), {"phase_s": {"launch": 0.0, "shadow": 0.0, "sync": 0.0}, "num_rows_run": 0}
     )()
-    profile = LoopProfile(core, period_s=1.0, clock=lambda: clock[0])
+    clock, core, profile = _profile(100.0, period_s=1.0, runner=runner)
     core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 2, 200, 900
     core.num_prefill_chunks = 3
     core.phase_s.update(runner=0.0625)
@@ -87,9 +94,7 @@ def test_a_runner_with_counters_splits_its_phase_and_counts_rows_run() -> None:
 
 
 def test_laps_time_consecutive_phases_from_a_mark() -> None:
-    clock = [10.0]
-    core = _Core()
-    profile = LoopProfile(core, period_s=1.0, clock=lambda: clock[0])
+    clock, core, profile = _profile(10.0, period_s=1.0)
     profile.mark()
     for phase, end_s in (("step", 10.25), ("stats", 10.375), ("send", 10.5)):
         clock[0] = end_s

@@ -44,7 +44,7 @@ from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
 from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
-from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
@@ -186,16 +186,7 @@ class AsyncLLM(RequestFrontEnd):
         `step_timeout_s`); a hung loop's reason becomes `dead_error`."""
         if self.errored or self._stopping or not self._thread.is_alive():
             return False
-        error = hung_loop_error(
-            time.monotonic(),
-            self._heartbeat_s,
-            self._step_started_s,
-            self.health_timeout_s,
-            self.step_timeout_s,
-        )
-        if error is not None and self.dead_error is None:
-            self.dead_error = error
-        return error is None
+        return self._loop_turning(self._heartbeat_s, self._step_started_s)
 
     def stats(self) -> EngineStats:
         """The latest load snapshot."""

@@ -41,7 +41,7 @@ from sits.engine.async_llm import EngineStats
 from sits.engine.core import PrefillChunk
 from sits.engine.engine_proc import PackedError, run_engine_proc, unpack_error
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
-from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.output_processor import OutputProcessor
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
@@ -149,16 +149,7 @@ class AsyncMPLLM(RequestFrontEnd):
             return False
         with self._loop_times.get_lock():
             step_started_s, turned_s = self._loop_times[:]
-        error = hung_loop_error(
-            time.monotonic(),
-            max(self._heartbeat_s, turned_s),
-            step_started_s or None,
-            self.health_timeout_s,
-            self.step_timeout_s,
-        )
-        if error is not None and self.dead_error is None:
-            self.dead_error = error
-        return error is None
+        return self._loop_turning(max(self._heartbeat_s, turned_s), step_started_s or None)
 
     def stats(self) -> EngineStats:
         """The latest load snapshot the engine process sent."""

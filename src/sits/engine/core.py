@@ -245,7 +245,8 @@ class EngineCore:
         return self.scheduler.tenant_stats()
 
     def waiting_load(self) -> dict[str, WaitingLoad]:
-        """The queued work of each tenant id that has some (see `WaitingLoad`). O(requests)."""
+        """The queued work of each tenant id that has some (see `WaitingLoad`).
+        O(running requests + tenants) (`Scheduler.queued_prefill`)."""
         return {
             tenant_id: WaitingLoad(oldest_s, num_tokens)
             for tenant_id, (oldest_s, num_tokens) in self.scheduler.queued_prefill().items()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from enum import Enum
 
@@ -24,6 +25,7 @@ from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.request import FinishReason, Request
 from sits.core.sampling_params import SamplingParams
+from sits.engine.health import hung_loop_error
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.runner.model_info import ModelInfo
@@ -56,11 +58,24 @@ class RequestFrontEnd:
     info: ModelInfo
     max_model_len: int
     dead_error: BaseException | None
+    health_timeout_s: float
+    step_timeout_s: float
     _processor: OutputProcessor
     _loop: asyncio.AbstractEventLoop | None
 
     def is_healthy(self) -> bool:  # pragma: no cover - defined by subclasses
         raise NotImplementedError
+
+    def _loop_turning(self, turned_s: float, step_started_s: float | None) -> bool:
+        """Whether the engine loop keeps turning (`hung_loop_error` with this front end's
+        timeouts, at the last turn `turned_s` and the running step's start, None between
+        steps); a hung loop's reason becomes `dead_error`."""
+        error = hung_loop_error(
+            time.monotonic(), turned_s, step_started_s, self.health_timeout_s, self.step_timeout_s
+        )
+        if error is not None and self.dead_error is None:
+            self.dead_error = error
+        return error is None
 
     def _send(self, command: tuple) -> None:  # pragma: no cover - defined by subclasses
         """Hand `command` to the engine side (never blocks for long)."""
