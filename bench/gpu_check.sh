@@ -8,6 +8,8 @@
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
+#   sweep    mixed steps as a paced server runs them (240 decodes at context 576 + chunks of
+#            512), 768-2,048 tokens: replayed step us and each top kernel's us per size (~2 min)
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
 #            adds engine flags to the offline runs (e.g. --no-mixed-step-cuda-graphs)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
@@ -20,7 +22,8 @@
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
 #            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
 #            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's);
-#            QOS_SERVE_ARGS adds server flags (both halves)
+#            QOS_SERVE_ARGS adds server flags (both halves), QOS_BENCH_ARGS client flags (e.g.
+#            --client-procs=4)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
 #   steps    step cost by shape (bench/step_costs.py): wall and runner ms of steps grouped by
@@ -76,6 +79,11 @@ fi
 if has profile; then
   run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
     --batch-sizes 1 10 64 --prefill-tokens 2048
+fi
+if has sweep; then
+  run mixed_sweep python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
+    --mixed-tokens 768 896 1024 1152 1280 1408 1536 1792 2048 --mixed-decodes 240 \
+    --context 576 --top 24
 fi
 if has micro; then
   run attention_bench python3 bench/kernels/attention_bench.py
@@ -181,7 +189,8 @@ if has qos || has qos_fcfs; then
   for mode in "${modes[@]}"; do
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
-      --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json"
+      --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
+      ${QOS_BENCH_ARGS:-}
   done
 fi
 echo

@@ -1,5 +1,7 @@
 """Where a step's time goes: CUDA kernel times of one eager decode step and one prefill step
-(torch.profiler), the CUDA-graph decode step time, and the host time around it.
+(torch.profiler), the CUDA-graph decode step time, and the host time around it; with
+`--mixed-tokens`, a sweep of mixed steps (a decode batch plus fresh prompt chunks) by step size,
+timed as the server runs them (mixed-step CUDA graphs), with each kernel's time per size.
 
 Usage (GPU machine, repo root):
     PYTHONPATH=src python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
@@ -7,6 +9,12 @@ Usage (GPU machine, repo root):
 
 Prints, per case, the top kernels by total CUDA time (name, calls, total us, % of the step)
 and a summary line: graph replay us, eager us, sum of kernel us, host us per step.
+
+    PYTHONPATH=src python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
+        --mixed-tokens 768 1024 1152 1280 1536 2048 --mixed-decodes 240 --context 576
+
+prints, per step size (decodes + prompt tokens in chunks of `--mixed-chunk`), the replayed
+step's wall time and the captured bucket, then a matrix of the top kernels' us per size.
 """
 
 from __future__ import annotations
@@ -54,6 +62,68 @@ def _prefill_plan(num_tokens: int, block_size: int, first_block: int):
     return StepPlan([ScheduledRequest("p", [5] * num_tokens, 0, blocks, sample=False)])
 
 
+def _mixed_plan(decodes: int, context: int, num_tokens: int, chunk: int, block_size: int):
+    """`decodes` sequences at `context` cached tokens plus fresh prompt chunks of at most `chunk`
+    tokens, `num_tokens` tokens in all; every sequence on its own blocks from block 1 on."""
+    from sits.core.plan import ScheduledRequest, StepPlan
+
+    blocks_per_decode = -(-(context + 1) // block_size)
+    scheduled, next_block = [], 1
+    for i in range(decodes):
+        blocks = list(range(next_block, next_block + blocks_per_decode))
+        next_block += blocks_per_decode
+        scheduled.append(ScheduledRequest(f"d{i}", [7], context, blocks, sample=False))
+    left = num_tokens - decodes
+    while left > 0:
+        size = min(chunk, left)
+        blocks = list(range(next_block, next_block + -(-size // block_size)))
+        next_block += len(blocks)
+        scheduled.append(ScheduledRequest(f"p{left}", [5] * size, 0, blocks, sample=False))
+        left -= size
+    return StepPlan(scheduled)
+
+
+def _kernel_times(fn) -> dict[str, float]:
+    """us per CUDA kernel name over one call of `fn` (graph replays included)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {
+        e.key: e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
+    }
+
+
+def _mixed_sweep(runner, args) -> None:
+    bs = runner.block_size
+    buckets = runner.mixed_graphs.padded_tokens if runner.mixed_graphs else (lambda n: None)
+    times: dict[int, dict[str, float]] = {}
+    print(
+        f"\n### mixed steps: {args.mixed_decodes} decodes at context {args.context} + prompt "
+        f"chunks of <= {args.mixed_chunk}"
+    )
+    print("| step tokens | bucket | step us | kernels us |")
+    print("|---|---|---|---|")
+    for num_tokens in args.mixed_tokens:
+        plan = _mixed_plan(args.mixed_decodes, args.context, num_tokens, args.mixed_chunk, bs)
+        fn = _forward_fn(runner, plan)
+        step_us = _time_us(fn)
+        times[num_tokens] = _kernel_times(fn)
+        kernels_us = sum(times[num_tokens].values())
+        print(f"| {num_tokens} | {buckets(num_tokens)} | {step_us:.0f} | {kernels_us:.0f} |")
+    totals: dict[str, float] = {}
+    for per_size in times.values():
+        for name, us in per_size.items():
+            totals[name] = totals.get(name, 0.0) + us
+    top = sorted(totals, key=totals.get, reverse=True)[: args.top]
+    print("\n| kernel | " + " | ".join(str(n) for n in times) + " |")
+    print("|---|" + "---|" * len(times))
+    for name in top:
+        cells = " | ".join(f"{times[n].get(name, 0.0):.0f}" for n in times)
+        print(f"| {name[:60].replace('|', '/')} | {cells} |")
+
+
 def _forward_fn(runner, plan):
     def fn():
         hidden, _ = runner._forward(plan)
@@ -99,8 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="cached tokens per decode sequence")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument(
+        "--mixed-tokens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="only the mixed-step sweep, at these step sizes (tokens)",
+    )
+    p.add_argument("--mixed-decodes", type=int, default=240)
+    p.add_argument("--mixed-chunk", type=int, default=512)
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
+    if args.mixed_tokens:
+        llm = _llm(args.random_weights, 256, enforce_eager=False)
+        with torch.inference_mode():
+            _mixed_sweep(llm.engine_core.runner, args)
+        return 0
     llm = _llm(args.random_weights, max(args.batch_sizes), enforce_eager=False)
     runner = llm.engine_core.runner
     bs = runner.block_size

@@ -38,13 +38,15 @@ def _bench(argv: list[str]) -> tuple[int, argparse.Namespace]:
     return args.func(args), args
 
 
-def test_serve_benchmark_counts_and_timings(live, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("client_procs", [1, 2])
+def test_serve_benchmark_counts_and_timings(live, tmp_path: Path, capsys, client_procs) -> None:
+    """The same exact counts whether one client process sends everything or two share it."""
     out = tmp_path / "result.json"
     rc, _ = _bench([
         "--base-url", live.base_url, "--num-prompts", str(NUM_PROMPTS), "--request-rate", "50",
         "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
         "--seed", "3", "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000",
-        "--result-json", str(out),
+        "--client-procs", str(client_procs), "--result-json", str(out),
     ])  # fmt: skip
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -64,9 +66,13 @@ def test_serve_benchmark_counts_and_timings(live, tmp_path: Path, capsys) -> Non
         assert r["prompt_tokens"] == INPUT_LEN
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
         assert len(r["itl_ms"]) == r["num_chunks"] - 1
+        assert r["start_ms"] >= r["arrival_ms"]  # sent at (not before) its time from t = 0
     assert [t["name"] for t in doc["tenants"]] == ["default"]
+    lag = doc["client_loop_lag_ms"]  # sampled every 10 ms through the run
+    assert set(lag) == {"p50", "p99", "max"} and 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Goodput (req/s)" in printed
+    assert "Client loop lag p50/p99/max (ms)" in printed
 
 
 def test_tenants_mix_on_chat_with_text_prompts(live, tmp_path: Path) -> None:

@@ -165,6 +165,13 @@ def test_driver_runs_the_mix_against_sits_serve(tiny_model_factory, tmp_path: Pa
         assert run["totals"]["total_output_tokens"] == 5 * 4
         assert gold["slo_attainment_pct"] == 100.0
         assert (tmp_path / "logs" / f"serve-{name}.log").is_file()
+        assert (tmp_path / "logs" / f"metrics-{name}.txt").is_file()
+        view = run["server_view"]  # the server's own TTFT count per tenant: every request,
+        counts = {tenant: t["ttft_count"] for tenant, t in view["tenants"].items()}
+        assert sum(counts.values()) == 6 and view["queue_mean_s"] >= 0  # and the warm-up one
+        if name == "qos":  # the warm-up request is a copy of the first (gold's)
+            assert counts == {"bulk": 2, "gold": 4}
+            assert view["tenants"]["gold"]["ttft_met_pct"] == 100.0
     assert [t["name"] for t in doc["tenants"]] == ["gold", "bulk"]
     ratio = doc["output_throughput_ratio"]
     assert (ratio is None) if modes == "fcfs" else (ratio > 0)

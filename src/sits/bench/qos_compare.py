@@ -2,9 +2,11 @@
 
 For each mode in order it starts `sits serve` on the model (`sits.bench.server_proc`), runs the
 same `--tenants-mix` workload (same seed: same arrivals and prompts) with `sits bench serve`'s
-runner, stops the server, and finally prints per-tenant SLO attainment of both modes and the
-total output throughput ratio QoS / FCFS (issue 6's target: the guaranteed tenant >= 99 %
-TTFT and TPOT attainment, and a ratio >= 0.95).
+runner, reads the server's /metrics (saved as `metrics-MODE.txt` in the log directory and
+summarized as its "server view", `sits.bench.server_view`), stops the server, and finally
+prints per-tenant SLO attainment of both modes and the total output throughput ratio QoS /
+FCFS (issue 6's target: the guaranteed tenant >= 99 % TTFT and TPOT attainment, and a ratio
+>= 0.95).
 
 Modes:
 - `qos`: `sits serve --tenants FILE` (the server's tenants.toml: key hashes, tiers, SLOs).
@@ -19,6 +21,7 @@ Run: `sits bench qos --model M --tenants tenants.toml --tenants-mix mix.toml`, o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
@@ -30,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from sits.bench.report import command_line, format_report, machine_info
 from sits.bench.serve import add_workload_args, config_from_args, run_config, write_json
 from sits.bench.server_proc import SitsServer
+from sits.bench.server_view import ServerView, format_view, scrape, summarize
 from sits.core.errors import InvalidParameterError, SitsError
 
 SCHEMA = "sits.bench.qos/1"
@@ -207,10 +213,26 @@ def run_modes(
         with server:
             config = config_from_args(args, dict(os.environ), base_url=server.base_url)
             doc = run_config(config, f"{command}  # mode {mode.name}", gpu_info=False)
+            view = _server_view(server.base_url, log_dir / f"metrics-{mode.name}.txt")
         doc["mode"] = {"name": mode.name, "serve_args": [*common, *mode.serve_args]}
         print(format_report(doc), flush=True)
+        if view is not None:
+            doc["server_view"] = dataclasses.asdict(view)
+            print(format_view(view, mode.name), flush=True)
         docs[mode.name] = doc
     return docs
+
+
+def _server_view(base_url: str, path: Path) -> ServerView | None:
+    """The server's /metrics after the load, saved to `path` and summarized; None (with a
+    note) when the server did not answer."""
+    try:
+        text = scrape(base_url)
+    except httpx.HTTPError as exc:
+        print(f"could not read {base_url}/metrics: {exc}", flush=True)
+        return None
+    path.write_text(text)
+    return summarize(text)
 
 
 def run_qos(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ The printed report is rendered from the JSON document, so both always agree. Sch
               "input_len", "output_len", "ttft_ms", "tpot_ms", "burstiness",
               "summary": Summary}],
  "totals": Summary,
+ "client_loop_lag_ms": {"p50", "p99", "max"} or null (the client's own event-loop lag),
  "requests": [RequestRecord.to_json()]}
 ```
 `Summary` is `sits.bench.metrics.Summary.to_json()`. API keys are never written.
@@ -126,6 +127,7 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
             {**tenant_json(t), "summary": per_tenant[t.name].to_json()} for t in config.tenants
         ],
         "totals": summarize(result.records, result.duration_s).to_json(),
+        "client_loop_lag_ms": result.client_loop_lag_ms,
         "requests": [r.to_json() for r in result.records],
     }
 
@@ -154,6 +156,12 @@ def _machine_line(machine: dict[str, Any]) -> str:
     return f"{machine.get('cpu')} ({machine.get('num_cpus')} CPUs), {gpu}"
 
 
+def _lag_cell(lag: dict[str, float] | None) -> str:
+    if lag is None:
+        return "-"
+    return f"{fmt(lag['p50'], 1)} / {fmt(lag['p99'], 1)} / {fmt(lag['max'], 1)}"
+
+
 def format_totals(doc: dict[str, Any]) -> list[str]:
     """The headline block and latency table of a run's JSON document."""
     t = doc["totals"]
@@ -174,6 +182,7 @@ def format_totals(doc: dict[str, Any]) -> list[str]:
         ("SLO attainment TTFT/TPOT/both (%)", f"{fmt(t['ttft_attainment_pct'], 1)} / "
          f"{fmt(t['tpot_attainment_pct'], 1)} / {fmt(t['slo_attainment_pct'], 1)}"),
         ("Goodput (req/s)", fmt(t["goodput"])),
+        ("Client loop lag p50/p99/max (ms)", _lag_cell(doc.get("client_loop_lag_ms"))),
     ]  # fmt: skip
     lines = [" Serving Benchmark Result ".center(72, "=")]
     lines += [f"{label + ':':<36}{value}" for label, value in rows]

@@ -13,11 +13,17 @@ Order of work (only step 4 is timed):
    `max_concurrency` in flight when set; a held request is sent when a slot frees, and its
    latencies count from that send), then wait for all of them.
 The duration is step 5's wall time: from t = 0 until the last request ended.
+
+Step 5 runs in this process, or in `client_procs` spawned client processes that share t = 0
+(`sits.bench.sender.send_in_processes`): one Python process parses every streamed event, and
+at a few thousand events per second its own lag would land in the latencies it reports. The
+client's event-loop lag is measured through step 5 (`sits.bench.sender.LoopLagProbe`) and
+reported (`RunResult.client_loop_lag_ms`): a p99 lag near the latencies measured means they
+are the client's, not the server's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import random
@@ -40,6 +46,13 @@ from sits.bench.errors import BenchmarkError
 from sits.bench.probe import fetch_model, normalize_base_url, plan_prompts
 from sits.bench.prompts import TextPrompts, TokenIdPrompts
 from sits.bench.records import RequestRecord
+from sits.bench.sender import (
+    LoopLagProbe,
+    Outgoing,
+    lag_summary,
+    send_in_processes,
+    send_on_schedule,
+)
 from sits.bench.workload import ScheduledRequest, TenantLoad, build_schedule
 from sits.core.errors import InvalidParameterError
 from sits.obs.gc_pauses import freeze_startup_heap
@@ -64,9 +77,12 @@ class ServeBenchConfig:
         request_timeout_s: httpx timeout of each request (connect, read gaps, write).
         tenants_mix: the mix file the tenants came from, for the report; None without one.
         warmup_requests: untimed copies of the first request sent before the run (>= 0).
+        client_procs: client processes the requests are spread over (>= 1;
+            `sits.bench.sender`); more than one cannot be combined with max_concurrency.
 
     Raises:
-        InvalidParameterError: an unknown endpoint, no tenants, or max_concurrency < 1.
+        InvalidParameterError: an unknown endpoint, no tenants, max_concurrency < 1,
+            client_procs < 1, or client_procs > 1 with max_concurrency.
     """
 
     base_url: str
@@ -81,6 +97,7 @@ class ServeBenchConfig:
     request_timeout_s: float = 3600.0
     tenants_mix: str | None = None
     warmup_requests: int = 1
+    client_procs: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
@@ -90,6 +107,12 @@ class ServeBenchConfig:
             raise InvalidParameterError("tenants", "at least one tenant is needed")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidParameterError("max_concurrency", "max_concurrency must be >= 1")
+        if self.client_procs < 1:
+            raise InvalidParameterError("client_procs", "client_procs must be >= 1")
+        if self.client_procs > 1 and self.max_concurrency is not None:
+            raise InvalidParameterError(
+                "client_procs", "client_procs > 1 cannot be combined with max_concurrency"
+            )
         if self.warmup_requests < 0:
             raise InvalidParameterError("warmup_requests", "warmup_requests must be >= 0")
         if not (self.request_timeout_s > 0):
@@ -115,6 +138,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     duration_s: float = 0.0
     started_at_unix_s: float = 0.0
+    client_loop_lag_ms: dict[str, float] | None = None
 
 
 async def _send_all(
@@ -124,28 +148,28 @@ async def _send_all(
     bodies: list[dict[str, Any]],
     records: list[RequestRecord],
     config: ServeBenchConfig,
-) -> float:
-    """Send every request at its time; returns the wall time until the last one ended."""
+) -> tuple[float, list[float]]:
+    """Send every request at its time; returns (the wall time until the last one ended, the
+    client's event-loop lag samples in ms)."""
     headers = [auth_headers(t.api_key) for t in config.tenants]
-    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    start = time.perf_counter()
-
-    async def one(req: ScheduledRequest) -> None:
-        args = (client, url, bodies[req.index], headers[req.tenant_index], records[req.index])
-        if slots is None:
-            await send_streaming(*args, start)
-            return
-        async with slots:
-            await send_streaming(*args, start)
-
-    tasks = []
-    for req in schedule:
-        delay = start + req.arrival_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(req)))
-    await asyncio.gather(*tasks)
-    return time.perf_counter() - start
+    outgoing = [
+        Outgoing(req.index, req.arrival_s, bodies[req.index], headers[req.tenant_index])
+        for req in schedule
+    ]
+    if config.client_procs > 1:
+        return await send_in_processes(
+            url, outgoing, records, config.client_procs, config.request_timeout_s
+        )
+    probe = LoopLagProbe()
+    probe.start()
+    try:
+        by_index = dict(enumerate(records))
+        duration_s = await send_on_schedule(
+            client, url, outgoing, by_index, time.perf_counter(), config.max_concurrency
+        )
+    finally:
+        await probe.stop()
+    return duration_s, probe.lags_ms
 
 
 def raise_open_file_limit() -> int:
@@ -246,7 +270,10 @@ async def run_serve_benchmark(config: ServeBenchConfig) -> RunResult:
         # (which stop the loop that timestamps every chunk) stay short as records grow.
         freeze_startup_heap()
         try:
-            result.duration_s = await _send_all(client, url, schedule, bodies, records, config)
+            result.duration_s, lags = await _send_all(
+                client, url, schedule, bodies, records, config
+            )
         finally:
             gc.unfreeze()
+        result.client_loop_lag_ms = lag_summary(lags)
     return result

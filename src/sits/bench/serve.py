@@ -86,6 +86,14 @@ def add_workload_args(p: argparse.ArgumentParser, include_model: bool = True) ->
         default=None,
         help="most requests in flight at once (default: no limit)",
     )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes the requests are spread over (default 1): one Python process "
+        "parses every streamed event, and past a few thousand events per second its own lag "
+        "(the report's 'Client loop lag') shows up in the latencies it measures",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds arrivals and prompts")
     p.add_argument(
         "--ignore-eos",
@@ -161,6 +169,7 @@ def config_from_args(
         request_timeout_s=args.request_timeout_s,
         tenants_mix=args.tenants_mix,
         warmup_requests=args.warmup_requests,
+        client_procs=args.client_procs,
     )
 
 

@@ -27,6 +27,7 @@ from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
+from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 
 if TYPE_CHECKING:
     from sits.tenancy import TenantsConfig
@@ -174,6 +175,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_gpu_price,
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests before cutting them (default 30)",
+    )
+    p.add_argument(
+        "--http",
+        default="auto",
+        choices=HTTP_CHOICES,
+        help="uvicorn's HTTP protocol (default auto: httptools when installed, else h11)",
+    )
+    p.add_argument(
+        "--loop",
+        default="auto",
+        choices=LOOP_CHOICES,
+        help="the HTTP process's event loop (default auto: uvloop when installed, else asyncio's)",
     )
     p.add_argument(
         "--log-level",
@@ -369,7 +382,9 @@ def run_serve(args: argparse.Namespace) -> int:
         gpu_price_per_hour=args.gpu_price_per_hour,
     )
     app = build_app(engine, settings)
-    return run_app(app, args.host, args.port, log_level=args.log_level)
+    return run_app(
+        app, args.host, args.port, log_level=args.log_level, http=args.http, loop=args.loop
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

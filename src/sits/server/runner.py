@@ -7,6 +7,10 @@
 - When the engine dies, the lifecycle calls `fatal(code)`: open requests have already been
   failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
   process; the first signal that arrives meanwhile is only noted, a second one stops at once.
+- The HTTP protocol and the event loop are uvicorn's `--http` and `--loop` choices, resolved
+  by `sits.server.http_impl`: "auto" takes httptools and uvloop when installed (they
+  are dependencies of sits on Linux and macOS), else h11 and asyncio's own loop. The HTTP
+  process handles every streamed token, so its cost per event bounds TTFT and ITL under load.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from sits.obs.gc_pauses import freeze_startup_heap
+from sits.server.http_impl import loop_factory, resolve_http
 from sits.server.lifecycle import ServerLifecycle
 
 logger = logging.getLogger(__name__)
@@ -101,17 +106,37 @@ def make_server(
     return DrainingServer(config, app.state.ctx.lifecycle)
 
 
-def run_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+def run_app(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    http: str = "auto",
+    loop: str = "auto",
+) -> int:
     """Serve `app` until drained or the engine dies.
+
+    Args:
+        app, host, port, log_level: what uvicorn serves, where, and its log level.
+        http: the HTTP protocol (`resolve_http`).
+        loop: the event loop (`loop_factory`).
 
     Returns:
         The process exit code: 0 after a signal-initiated drain, non-zero after engine death.
+
+    Raises:
+        InvalidParameterError: `http` or `loop` names an unknown or missing implementation.
     """
-    server = make_server(app, host, port, log_level)
+    factory = loop_factory(loop)
+    server = make_server(app, host, port, log_level, http=resolve_http(http))
+    logger.info(
+        "HTTP: %s on %s", server.config.http, "uvloop" if factory else "asyncio's event loop"
+    )
     frozen = freeze_startup_heap()  # the engine and app are built: none of it is garbage
     logger.info("froze %d startup objects out of garbage collection", frozen)
     try:
-        asyncio.run(server.serve())
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(server.serve())
     finally:
         gc.unfreeze()  # exit with a collectable heap (extensions report frozen objects as leaks)
     if server.drained_cleanly is False:
