@@ -62,23 +62,31 @@ def _prefill_plan(num_tokens: int, block_size: int, first_block: int):
     return StepPlan([ScheduledRequest("p", [5] * num_tokens, 0, blocks, sample=False)])
 
 
-def _mixed_plan(decodes: int, context: int, num_tokens: int, chunk: int, block_size: int):
+def _mixed_plan(
+    decodes: int, context: int, num_tokens: int, chunk: int, block_size: int, vocab: int
+):
     """`decodes` sequences at `context` cached tokens plus fresh prompt chunks of at most `chunk`
-    tokens, `num_tokens` tokens in all; every sequence on its own blocks from block 1 on."""
+    tokens, `num_tokens` tokens in all; every sequence on its own blocks from block 1 on. Token
+    ids are random (seeded): one repeated id would send every token to the same experts."""
+    import random
+
     from sits.core.plan import ScheduledRequest, StepPlan
 
+    rng = random.Random(0)
     blocks_per_decode = -(-(context + 1) // block_size)
     scheduled, next_block = [], 1
     for i in range(decodes):
         blocks = list(range(next_block, next_block + blocks_per_decode))
         next_block += blocks_per_decode
-        scheduled.append(ScheduledRequest(f"d{i}", [7], context, blocks, sample=False))
+        token = [rng.randrange(vocab)]
+        scheduled.append(ScheduledRequest(f"d{i}", token, context, blocks, sample=False))
     left = num_tokens - decodes
     while left > 0:
         size = min(chunk, left)
         blocks = list(range(next_block, next_block + -(-size // block_size)))
         next_block += len(blocks)
-        scheduled.append(ScheduledRequest(f"p{left}", [5] * size, 0, blocks, sample=False))
+        tokens = [rng.randrange(vocab) for _ in range(size)]
+        scheduled.append(ScheduledRequest(f"p{left}", tokens, 0, blocks, sample=False))
         left -= size
     return StepPlan(scheduled)
 
@@ -97,6 +105,7 @@ def _kernel_times(fn) -> dict[str, float]:
 
 def _mixed_sweep(runner, args) -> None:
     bs = runner.block_size
+    vocab = runner.model.config.vocab_size
     buckets = runner.mixed_graphs.padded_tokens if runner.mixed_graphs else (lambda n: None)
     times: dict[int, dict[str, float]] = {}
     print(
@@ -106,7 +115,9 @@ def _mixed_sweep(runner, args) -> None:
     print("| step tokens | bucket | step us | kernels us |")
     print("|---|---|---|---|")
     for num_tokens in args.mixed_tokens:
-        plan = _mixed_plan(args.mixed_decodes, args.context, num_tokens, args.mixed_chunk, bs)
+        plan = _mixed_plan(
+            args.mixed_decodes, args.context, num_tokens, args.mixed_chunk, bs, vocab
+        )
         fn = _forward_fn(runner, plan)
         step_us = _time_us(fn)
         times[num_tokens] = _kernel_times(fn)

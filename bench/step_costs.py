@@ -12,9 +12,11 @@ Usage (GPU machine, repo root):
 Prints a table: decoding sequences (bucket), prefill tokens (bucket), steps, mean step ms,
 mean runner ms, mean host ms (step - runner), rows run (CUDA-graph padding included) and
 prompt chunks; then the totals. `--paced-step-tokens 0,1024,1280` repeats the run in the same
-engine once per value, each capping every step at that many tokens as pacing with a fixed
-slack does (0: FCFS), and ends with a summary per value: output tok/s, and the mean runner ms
-and rows of steps with prompt tokens and a full decode batch (`--full-batch`).
+engine once per value (each pass with prompts of its own, and prefix caching off: a pass that
+found the last pass's prompts cached ran decode steps alone), each capping every step at that
+many tokens as pacing with a fixed slack does (0: FCFS), and ends with a summary per value:
+output tok/s, and the mean runner ms and rows of steps with prompt tokens and a full decode
+batch (`--full-batch`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len,
+        enable_prefix_caching=False,  # every pass computes every prompt
     )
     core = llm.engine_core
     runner = core.runner
@@ -83,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     runner.run = timed_run  # this script's own engine: nothing else sees the wrapper
     vocab = runner.model.config.vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     fcfs_pacer = core.pacer
     summary = []
     for index, step_tokens in enumerate(int(t) for t in args.paced_step_tokens.split(",")):
         core.pacer = _FixedStepPacer(fcfs_pacer, step_tokens) if step_tokens else fcfs_pacer
         print(f"\n## paced step tokens: {step_tokens or 'off (FCFS)'}")
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=index)
         summary.append((step_tokens, *_run_pass(core, runner_s, args, prompts, f"p{index}-")))
     print(
         f"\n| paced step tokens | steps | output tok/s | steps at >= {args.full_batch} "
