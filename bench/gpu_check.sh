@@ -24,8 +24,11 @@
 #            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's);
 #            QOS_SERVE_ARGS adds server flags (both halves), QOS_BENCH_ARGS client flags (e.g.
 #            --client-procs=4)
+#            STEP_SHAPES=1 records every step's shape of each half (steps-MODE.jsonl)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
+#   replay   replays those recorded steps on the device alone, kernel by kernel
+#            (bench/profile_step.py --replay), e.g. STEP_SHAPES=1 ... qos qos_fcfs replay
 #   steps    step cost by shape (bench/step_costs.py): wall and runner ms of steps grouped by
 #            decoding sequences and prefill tokens, 1024 x 512/128 offline FCFS, budgets 2048
 #            and 8192 tokens (the data TPOT pacing works with)
@@ -187,11 +190,19 @@ if has qos || has qos_fcfs; then
   has qos && modes+=(qos)
   has qos_fcfs && modes+=(fcfs)
   for mode in "${modes[@]}"; do
+    # STEP_SHAPES=1: the server records every step's shape, replayed below (section 'replay')
+    [[ -n "${STEP_SHAPES:-}" ]] && export SITS_STEP_SHAPES_FILE="$OUT_DIR/steps-$mode.jsonl"
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
       --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
       ${QOS_BENCH_ARGS:-}
+    unset SITS_STEP_SHAPES_FILE
   done
+fi
+if has replay; then
+  shapes=("$OUT_DIR"/steps-*.jsonl)
+  [[ -e ${shapes[0]} ]] && run replay_steps python3 bench/profile_step.py \
+    --random-weights qwen3-30b-a3b --replay "${shapes[@]}" --replay-steps 40 --top 24
 fi
 echo
 echo "| step | exit | time | last line |"

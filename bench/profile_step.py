@@ -15,6 +15,15 @@ and a summary line: graph replay us, eager us, sum of kernel us, host us per ste
 
 prints, per step size (decodes + prompt tokens in chunks of `--mixed-chunk`), the replayed
 step's wall time and the captured bucket, then a matrix of the top kernels' us per size.
+
+    SITS_STEP_SHAPES_FILE=qos.jsonl sits serve ...   # records every step's shape
+    PYTHONPATH=src python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
+        --replay qos.jsonl fcfs.jsonl --replay-steps 40
+
+rebuilds steps with prompt chunks from each recorded file (`sits.engine.step_shapes`; evenly
+picked from the middle 80 % of the run, random tokens, no sampling) and prints per file the
+mean recorded runner ms, the replayed forward's ms and each top kernel's us per step: the same
+steps on the device alone, without the host and the server around them.
 """
 
 from __future__ import annotations
@@ -123,15 +132,71 @@ def _mixed_sweep(runner, args) -> None:
         times[num_tokens] = _kernel_times(fn)
         kernels_us = sum(times[num_tokens].values())
         print(f"| {num_tokens} | {buckets(num_tokens)} | {step_us:.0f} | {kernels_us:.0f} |")
+    _kernel_matrix(times, args.top)
+
+
+def _replay_plan(reqs: list, block_size: int, vocab: int, rng):
+    """A plan of the recorded [start_position, num_tokens] pairs, each on its own blocks."""
+    from sits.core.plan import ScheduledRequest, StepPlan
+
+    scheduled, next_block = [], 1
+    for i, (start, num_tokens) in enumerate(reqs):
+        num_blocks = -(-(start + num_tokens) // block_size)
+        blocks = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        tokens = [rng.randrange(vocab) for _ in range(num_tokens)]
+        scheduled.append(ScheduledRequest(f"r{i}", tokens, start, blocks, sample=False))
+    return StepPlan(scheduled)
+
+
+def _replay(runner, args) -> None:
+    import random
+
+    from sits.engine.step_shapes import read_step_shapes
+
+    vocab = runner.model.config.vocab_size
+    rng = random.Random(0)
+    rows, kernels = [], {}
+    for path in args.replay:
+        mixed = [s for s in read_step_shapes(path) if any(n > 1 for _, n in s["reqs"])]
+        middle = mixed[len(mixed) // 10 : len(mixed) - len(mixed) // 10] or mixed
+        stride = max(1, len(middle) // args.replay_steps)
+        picked = middle[::stride][: args.replay_steps]
+        totals: dict[str, float] = {}
+        step_us = tokens = decodes = chunks = recorded_ms = 0.0
+        for step in picked:
+            plan = _replay_plan(step["reqs"], runner.block_size, vocab, rng)
+            fn = _forward_fn(runner, plan)
+            step_us += _time_us(fn, iters=5)
+            for name, us in _kernel_times(fn).items():
+                totals[name] = totals.get(name, 0.0) + us
+            tokens += sum(n for _, n in step["reqs"])
+            decodes += sum(1 for _, n in step["reqs"] if n == 1)
+            chunks += sum(1 for _, n in step["reqs"] if n > 1)
+            recorded_ms += step["runner_ms"]
+        k = max(len(picked), 1)
+        rows.append((path, len(picked), tokens / k, decodes / k, chunks / k, recorded_ms / k,
+                     step_us / k / 1e3))  # fmt: skip
+        kernels[path] = {name: us / k for name, us in totals.items()}
+    print("\n### replayed steps with prompt chunks (forward only, no sampling)")
+    print("| file | steps | tokens | decodes | chunks | recorded runner ms | replayed ms |")
+    print("|---|---|---|---|---|---|---|")
+    for path, n, tok, dec, ch, rec_ms, rep_ms in rows:
+        print(f"| {path} | {n} | {tok:.1f} | {dec:.1f} | {ch:.2f} | {rec_ms:.2f} | {rep_ms:.2f} |")
+    _kernel_matrix(kernels, args.top)
+
+
+def _kernel_matrix(per_column: dict, top: int) -> None:
+    """Print the `top` kernels by total us as rows, one column per key of `per_column`."""
     totals: dict[str, float] = {}
-    for per_size in times.values():
-        for name, us in per_size.items():
+    for per_kernel in per_column.values():
+        for name, us in per_kernel.items():
             totals[name] = totals.get(name, 0.0) + us
-    top = sorted(totals, key=totals.get, reverse=True)[: args.top]
-    print("\n| kernel | " + " | ".join(str(n) for n in times) + " |")
-    print("|---|" + "---|" * len(times))
-    for name in top:
-        cells = " | ".join(f"{times[n].get(name, 0.0):.0f}" for n in times)
+    names = sorted(totals, key=totals.get, reverse=True)[:top]
+    print("\n| kernel | " + " | ".join(str(c) for c in per_column) + " |")
+    print("|---|" + "---|" * len(per_column))
+    for name in names:
+        cells = " | ".join(f"{col.get(name, 0.0):.0f}" for col in per_column.values())
         print(f"| {name[:60].replace('|', '/')} | {cells} |")
 
 
@@ -189,12 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--mixed-decodes", type=int, default=240)
     p.add_argument("--mixed-chunk", type=int, default=512)
+    p.add_argument(
+        "--replay",
+        nargs="*",
+        default=[],
+        help="only replay the steps of these SITS_STEP_SHAPES_FILE recordings",
+    )
+    p.add_argument("--replay-steps", type=int, default=40, help="steps replayed per file")
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
-    if args.mixed_tokens:
+    if args.mixed_tokens or args.replay:
         llm = _llm(args.random_weights, 256, enforce_eager=False)
         with torch.inference_mode():
-            _mixed_sweep(llm.engine_core.runner, args)
+            if args.mixed_tokens:
+                _mixed_sweep(llm.engine_core.runner, args)
+            if args.replay:
+                _replay(llm.engine_core.runner, args)
         return 0
     llm = _llm(args.random_weights, max(args.batch_sizes), enforce_eager=False)
     runner = llm.engine_core.runner

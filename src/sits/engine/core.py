@@ -20,6 +20,7 @@ recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in t
 from __future__ import annotations
 
 import heapq
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request, RequestStatus
+from sits.engine.step_shapes import recorder_from_env
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
@@ -173,6 +175,7 @@ class EngineCore:
         self.num_decode_rows = 0
         self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
+        self.step_shapes = recorder_from_env(os.environ)  # SITS_STEP_SHAPES_FILE, for replays
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
@@ -287,6 +290,8 @@ class EngineCore:
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
         result = self.runner.run(plan, while_gpu_runs)
         ran_s = time.monotonic()
+        if self.step_shapes is not None and plan.scheduled:
+            self.step_shapes.record(plan, ran_s - now)
         outputs = self.scheduler.update(plan, result)
         end_s = time.monotonic()
         phase_s = self.phase_s
