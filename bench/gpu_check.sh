@@ -22,8 +22,8 @@
 #            server's wheels: carry .whl, see bench/README.md); QOS_CAPACITY=C (req/s)
 #            skips the capacity run and calibrates the rates from C; ENGINE_PROCESS=1 serves
 #            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's);
-#            QOS_SERVE_ARGS adds server flags (both halves), QOS_BENCH_ARGS client flags (e.g.
-#            --client-procs=4)
+#            QOS_SERVE_ARGS adds server flags (both halves), QOS_BENCH_ARGS client flags
+#            (default --client-procs=4: one client process lags behind a QoS flood)
 #            STEP_SHAPES=1 records every step's shape of each half (steps-MODE.jsonl)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
@@ -195,7 +195,7 @@ if has qos || has qos_fcfs; then
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
       --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
-      ${QOS_BENCH_ARGS:-}
+      ${QOS_BENCH_ARGS---client-procs=4}
     unset SITS_STEP_SHAPES_FILE
   done
 fi
