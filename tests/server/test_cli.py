@@ -143,3 +143,15 @@ def test_sits_serve_without_a_model_serves_the_demo(demo_cache, tmp_path) -> Non
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def test_a_missing_event_loop_is_refused_before_the_model_loads(monkeypatch, capsys) -> None:
+    """`--loop uvloop` without uvloop: exit 2 with the reason, and no engine is built."""
+    from sits.cli.serve import run_serve
+    from sits.server import http_impl
+
+    monkeypatch.setattr(http_impl, "_installed", lambda module: False)
+    monkeypatch.setattr(demo, "ensure_demo_model", lambda: pytest.fail("the model was loaded"))
+    assert _parse(["--http", "h11", "--loop", "asyncio"]).loop == "asyncio"
+    assert run_serve(_parse(["--loop", "uvloop"])) == 2
+    assert "error: uvloop is not installed (pip install uvloop)" in capsys.readouterr().err

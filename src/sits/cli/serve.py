@@ -314,6 +314,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from sits.demo import DEMO_MODEL_NAME, TRAINED_DESCRIPTION, demo_info, ensure_demo_model
     from sits.server.app import build_app
     from sits.server.context import ServerSettings
+    from sits.server.http_impl import loop_factory, resolve_http
     from sits.server.loop_lag import apply_switch_interval
     from sits.server.runner import run_app
 
@@ -328,6 +329,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants = load_tenants_arg(args.tenants, api_key)
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
+        resolve_http(args.http), loop_factory(args.loop)  # refused before the model loads
     except SitsError as exc:
         from sits.tenancy.loader import TenantConfigError, check_tenants
 

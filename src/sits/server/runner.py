@@ -8,8 +8,8 @@
   failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
   process; the first signal that arrives meanwhile is only noted, a second one stops at once.
 - The HTTP protocol and the event loop are uvicorn's `--http` and `--loop` choices, resolved
-  by `sits.server.http_impl`: "auto" takes httptools and uvloop when installed (they
-  are dependencies of sits on Linux and macOS), else h11 and asyncio's own loop. The HTTP
+  by `sits.server.http_impl`: "auto" takes httptools and uvloop when installed (`pip install
+  httptools uvloop`, as uvicorn[standard] does), else h11 and asyncio's own loop. The HTTP
   process handles every streamed token, so its cost per event bounds TTFT and ITL under load.
 """
 
