@@ -94,4 +94,5 @@ EOF
 echo "== stopping the server"
 stop_server
 trap - EXIT
+rm -f "$LOG"  # kept (and named above) when something failed
 echo "== done"

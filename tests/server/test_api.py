@@ -218,6 +218,14 @@ def test_bad_types_are_400_not_422(server) -> None:
         send = "send a JSON object with the header Content-Type: application/json."
         resp = http.post("/v1/completions", content=b'{"prompt": "x"}')
         assert resp.status_code == 400
+        message = f"The request's Content-Type is missing, not application/json: {send}"
+        assert resp.json()["error"]["message"] == message
+        headers = {"content-type": "text/plain; charset=utf-8"}
+        resp = http.post("/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+        message = f"The request's Content-Type is 'text/plain', not application/json: {send}"
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == message
+        resp = http.post("/v1/completions", json=["not", "an", "object"])  # JSON, not an object
+        assert resp.status_code == 400
         assert resp.json()["error"]["message"] == f"The request body is not a JSON object: {send}"
         resp = http.post("/v1/completions", headers={"content-type": "application/json"})
         assert resp.status_code == 400

@@ -109,10 +109,12 @@ def error_response(err: ServerError, headers: dict[str, str] | None = None) -> J
 _SEND_JSON = "send a JSON object with the header Content-Type: application/json"
 
 
-def validation_error(exc: RequestValidationError) -> ServerError:
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> ServerError:
     """400 for a body pydantic refused; `param` is the first field at fault.
 
-    Unknown fields read as OpenAI's "Unrecognized request argument supplied: NAME".
+    Unknown fields read as OpenAI's "Unrecognized request argument supplied: NAME". A body that
+    is no JSON object because it was not sent as JSON (`content_type`, the request's header, is
+    not application/json) says so, instead of calling the body itself wrong.
     """
     errors = exc.errors()
     if not errors:
@@ -131,6 +133,13 @@ def validation_error(exc: RequestValidationError) -> ServerError:
         if kind == "missing":
             return ServerError(400, f"The request has no body: {_SEND_JSON}.")
         if kind in ("model_attributes_type", "dict_type", "model_type"):
+            media_type = (content_type or "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                shown = f"'{media_type}'" if media_type else "missing"
+                return ServerError(
+                    400,
+                    f"The request's Content-Type is {shown}, not application/json: {_SEND_JSON}.",
+                )
             return ServerError(400, f"The request body is not a JSON object: {_SEND_JSON}.")
         return ServerError(400, f"Invalid request body: {first.get('msg', '')}.")
     union_at, branches = _union_branches(errors, loc)
@@ -180,7 +189,7 @@ def install_error_handlers(app: FastAPI, on_invalid_body: InvalidBodyHook | None
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc)
+        err = validation_error(exc, request.headers.get("content-type"))
         if on_invalid_body is not None:
             err = await on_invalid_body(request, err)
         return error_response(err, headers=err.headers)
