@@ -393,6 +393,15 @@ class RequestRecorder(OutputObserver):
         self.finish_reason: str | None = None
         self.last_output: RequestOutput | None = None
         self.tpot_s: float | None = None
+        # The children updated on every token, looked up once per request: three `labels()`
+        # calls per token cost 4.8 us against 1.6 us with the children kept (CPU, timeit), of
+        # the HTTP process's ~90 us per streamed token.
+        label = metrics.model_name
+        self._generation_tokens = metrics.generation_tokens.labels(label)
+        self._itl = metrics.itl.labels(label)
+        self._tenant_generation_tokens = (
+            None if self.t is None else self.t.generation_tokens.labels(label, tenant.id)
+        )
 
     def on_output(self, output: RequestOutput) -> None:
         label = self.m.model_name
@@ -416,9 +425,9 @@ class RequestRecorder(OutputObserver):
                 self.m.request_success.labels(label, sample.finish_reason).inc()
                 self.finish_reason = self.finish_reason or sample.finish_reason
         if num_new:
-            self.m.generation_tokens.labels(label).inc(num_new)
-            if self.t is not None:
-                self.t.add_generation_tokens(self.tenant.id, num_new)
+            self._generation_tokens.inc(num_new)
+            if self._tenant_generation_tokens is not None:
+                self._tenant_generation_tokens.inc(num_new)
             self._observe_token_times(output)
         if output.finished and metrics is not None and metrics.finished_time is not None:
             self.m.e2e.labels(label).observe(max(metrics.finished_time - metrics.arrival_time, 0))
@@ -440,7 +449,7 @@ class RequestRecorder(OutputObserver):
         # so the gap between outputs is timed here, when each one arrives.
         now = time.monotonic()
         if self.last_token_time is not None:
-            self.m.itl.labels(self.m.model_name).observe(now - self.last_token_time)
+            self._itl.observe(now - self.last_token_time)
         self.last_token_time = now
 
     def _observe_tpot(self, output: RequestOutput) -> None:
