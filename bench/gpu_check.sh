@@ -24,7 +24,8 @@
 #            with --engine-process; QOS_DURATION=S sends for S seconds (default: the mix's);
 #            QOS_SERVE_ARGS adds server flags (both halves), QOS_BENCH_ARGS client flags
 #            (default --client-procs=4: one client process lags behind a QoS flood)
-#            STEP_SHAPES=1 records every step's shape of each half (steps-MODE.jsonl)
+#            STEP_SHAPES=1 records every step's shape of each half (steps-MODE.jsonl);
+#            PROFILE_STEPS=START:COUNT profiles those steps of each half (profile-MODE.txt)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
 #   replay   replays those recorded steps on the device alone, kernel by kernel
@@ -192,11 +193,14 @@ if has qos || has qos_fcfs; then
   for mode in "${modes[@]}"; do
     # STEP_SHAPES=1: the server records every step's shape, replayed below (section 'replay')
     [[ -n "${STEP_SHAPES:-}" ]] && export SITS_STEP_SHAPES_FILE="$OUT_DIR/steps-$mode.jsonl"
+    # PROFILE_STEPS=START:COUNT: torch.profiler's table of those server steps (profile-MODE.txt)
+    [[ -n "${PROFILE_STEPS:-}" ]] && export SITS_PROFILE_STEPS="$PROFILE_STEPS" \
+      SITS_PROFILE_FILE="$OUT_DIR/profile-$mode.txt"
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
       --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
       ${QOS_BENCH_ARGS---client-procs=4}
-    unset SITS_STEP_SHAPES_FILE
+    unset SITS_STEP_SHAPES_FILE SITS_PROFILE_STEPS SITS_PROFILE_FILE
   done
 fi
 if has replay; then

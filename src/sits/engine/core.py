@@ -31,6 +31,7 @@ from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request, RequestStatus
+from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import recorder_from_env
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
@@ -176,6 +177,7 @@ class EngineCore:
         self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
         self.step_shapes = recorder_from_env(os.environ)  # SITS_STEP_SHAPES_FILE, for replays
+        self.step_profiler = profiler_from_env(os.environ)  # SITS_PROFILE_STEPS=START:COUNT
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()
@@ -265,6 +267,8 @@ class EngineCore:
         Returns:
             One output per request that produced tokens, logprobs or finished this step.
         """
+        if self.step_profiler is not None:
+            self.step_profiler.before_step(self.num_steps + 1)
         start_s = time.monotonic()
         expired = self._drop_unstarted(start_s) if self._start_deadlines else []
         max_prefill_tokens = None
@@ -332,6 +336,8 @@ class EngineCore:
                 out.prefill_chunks = self._unreported_chunks.pop(out.request_id, None)
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
+        if self.step_profiler is not None:
+            self.step_profiler.after_step(self.num_steps)
         return expired + outputs if expired else outputs
 
     def _drop_unstarted(self, now_s: float) -> list[EngineCoreOutput]:
