@@ -57,3 +57,11 @@ def test_client_procs_are_checked_with_the_run_config() -> None:
         ServeBenchConfig("http://h:1", tenant, client_procs=0)
     with pytest.raises(InvalidParameterError, match="cannot be combined with max_concurrency"):
         ServeBenchConfig("http://h:1", tenant, client_procs=2, max_concurrency=8)
+
+
+def test_the_command_line_names_the_flag_of_a_refused_value(capsys) -> None:
+    from sits.cli.main import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--client-procs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --client-procs: client_procs must be >= 1" in err
