@@ -1,0 +1,164 @@
+"""QoS vs FCFS on the CPU with a modelled device: the scheduler's share of the issue-6 ratio.
+
+The real engine (scheduler, TPOT pacing, reservations, start deadlines) runs the issue-6 mix
+in real time, but the model runner is replaced by a sleep of a modelled device time per step:
+`--step-base-ms` + `--per-row-us` x rows, with rows padded as the H200 runs them (mixed steps
+to the mixed-step CUDA-graph token buckets, decode steps to the decode-graph batch sizes). The
+default model is the H200's loop profile of qwen3-30b-a3b (runner 23.4 ms for a 256-decode
+step, ~38 ms for ~1,150 rows; bench/RESULTS.md, 2026-11-30): with it, QoS steps ran at 44 ms
+carrying ~1,180 rows, as on the H200.
+
+Both modes see the same device cost per row, so the ratio printed is what the scheduling
+alone allows; a lower ratio on the GPU is device time that QoS steps cost beyond it. Host time
+(scheduling, updates) is this machine's. Arrivals are Poisson (seeded), 512-token prompts of
+random ids, 128 output tokens; the burstable tenant's new work is shed once its oldest queued
+request waited 4.5 s, and its queued requests expire 4.5 s after arrival (the server's rules,
+`sits.server.qos`). Gold's TTFT is the engine's (arrival to first token).
+
+Usage (repo root): `PYTHONPATH=src python3 bench/qos_sim.py --duration-s 30`
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import random
+import statistics
+import sys
+import time
+
+
+class _ModelledRunner:
+    """The model runner with the device replaced by a sleep (module docstring)."""
+
+    def __init__(self, real, base_s: float, per_row_s: float, buckets, batch_sizes) -> None:
+        self.real, self.base_s, self.per_row_s = real, base_s, per_row_s
+        self.buckets, self.batch_sizes = list(buckets), list(batch_sizes)
+        self.rows = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def run(self, plan, while_gpu_runs=None):
+        from sits.core.plan import StepResult
+
+        num_tokens = sum(sr.num_tokens for sr in plan.scheduled)
+        sizes = (
+            self.batch_sizes if all(sr.num_tokens == 1 for sr in plan.scheduled) else self.buckets
+        )
+        rows = sizes[min(bisect.bisect_left(sizes, num_tokens), len(sizes) - 1)]
+        self.rows += rows
+        time.sleep(self.base_s + self.per_row_s * rows)
+        if while_gpu_runs is not None:
+            while_gpu_runs()
+        result = StepResult()
+        for sr in plan.scheduled:
+            if sr.sample:
+                result.sampled_token_ids[sr.request_id] = 7
+        return result
+
+
+def _run_mode(mode: str, args) -> dict:
+    from sits.config import EngineConfig
+    from sits.core.sampling_params import SamplingParams
+    from sits.engine.builder import build_engine, tenant_policies_of
+    from sits.engine.requests import make_engine_requests
+    from sits.runner.cuda_graphs import graph_batch_sizes, mixed_token_buckets
+    from sits.tenancy.loader import load_tenants
+
+    tenants = tenant_policies_of(load_tenants(args.tenants)) if mode == "qos" else ()
+    config = EngineConfig(
+        model=args.model, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
+        max_model_len=1024, kv_cache_memory_bytes=2_000_000_000, skip_tokenizer_init=True,
+        tpot_pacing_fraction=args.pacing_fraction,
+    )  # fmt: skip
+    core = build_engine(config, tenants).core
+    buckets = mixed_token_buckets(config.max_num_batched_tokens)
+    core.pacer.token_buckets = tuple(buckets)  # as the H200's runner reports them
+    runner = _ModelledRunner(core.runner, args.step_base_ms / 1e3, args.per_row_us / 1e6,
+                             buckets, graph_batch_sizes(256))  # fmt: skip
+    core.runner = runner
+    rng = random.Random(args.seed)
+    vocab = min(core.runner.model.config.vocab_size, 8192)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    rates = {"gold": args.gold_rate, "burst": args.burst_rate}
+    t0 = time.monotonic()
+    next_at = {name: t0 + rng.expovariate(rate) for name, rate in rates.items()}
+    arrival, first = {}, {}
+    num_requests = num_tokens = 0
+    while time.monotonic() - t0 < args.duration_s:
+        now = time.monotonic()
+        for name, rate in rates.items():
+            while next_at[name] <= now:
+                at, next_at[name] = next_at[name], next_at[name] + rng.expovariate(rate)
+                if mode == "qos" and name == "burst":
+                    load = core.waiting_load().get("burst")
+                    if (
+                        load is not None
+                        and load.oldest_arrival_s is not None
+                        and now - load.oldest_arrival_s > 4.5
+                    ):
+                        continue  # the server sheds new over-quota work
+                request_id = f"{name}-{num_requests}"
+                num_requests += 1
+                prompt = [rng.randrange(1, vocab) for _ in range(args.input_len)]
+                deadline = at + 4.5 if mode == "qos" and name == "burst" else None
+                for child in make_engine_requests(
+                    request_id, prompt, params, eos_token_ids=(), max_model_len=1024,
+                    enable_prefix_caching=True, arrival_time=at,
+                    tenant_id=name if mode == "qos" else "default", start_deadline_s=deadline,
+                ):  # fmt: skip
+                    core.add_request(child)
+                arrival[request_id] = at
+        outputs = core.step()
+        end_s = time.monotonic()
+        for out in outputs:
+            if out.new_token_ids:
+                num_tokens += len(out.new_token_ids)
+                first.setdefault(out.request_id, end_s)
+    elapsed_s = time.monotonic() - t0
+    gold = [first[r] - arrival[r] for r in arrival if r.startswith("gold") and r in first]
+    steps = max(core.num_steps, 1)
+    return {
+        "steps": core.num_steps, "step_ms": elapsed_s / steps * 1e3,
+        "tok_s": num_tokens / elapsed_s, "rows": runner.rows / steps,
+        "schedule_ms": core.phase_s["schedule"] / steps * 1e3,
+        "update_ms": core.phase_s["update"] / steps * 1e3,
+        "gold_ttft_p50_ms": statistics.median(gold) * 1e3 if gold else None,
+        "gold_ttft_met_pct": 100 * sum(t <= 1.0 for t in gold) / len(gold) if gold else None,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="src/sits/demo_model")
+    p.add_argument("--tenants", default="bench/qos/tenants.toml")
+    p.add_argument("--modes", default="qos,fcfs")
+    p.add_argument("--duration-s", type=float, default=30.0)
+    p.add_argument("--pacing-fraction", type=float, default=0.9)
+    p.add_argument("--gold-rate", type=float, default=11.7, help="req/s (0.3 x capacity 39)")
+    p.add_argument("--burst-rate", type=float, default=81.9, help="req/s (3 x the rest)")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--step-base-ms", type=float, default=19.2)
+    p.add_argument("--per-row-us", type=float, default=16.3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print("Command:", " ".join(sys.argv))
+    results = {mode: _run_mode(mode, args) for mode in args.modes.split(",")}
+    print("| mode | steps | ms/step | out tok/s | rows/step | schedule ms | update ms "
+          "| gold TTFT p50 ms | gold TTFT met % |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        p50 = "-" if r["gold_ttft_p50_ms"] is None else f"{r['gold_ttft_p50_ms']:.0f}"
+        met = "-" if r["gold_ttft_met_pct"] is None else f"{r['gold_ttft_met_pct']:.1f}"
+        print(f"| {mode} | {r['steps']} | {r['step_ms']:.1f} | {r['tok_s']:.0f} | {r['rows']:.0f} "
+              f"| {r['schedule_ms']:.2f} | {r['update_ms']:.2f} | {p50} | {met} |")  # fmt: skip
+    if {"qos", "fcfs"} <= results.keys():
+        ratio = results["qos"]["tok_s"] / results["fcfs"]["tok_s"]
+        print(f"output throughput QoS / FCFS (modelled device): {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""bench/qos_sim.py: the modelled device pads steps as the H200's runner does and sleeps
+base + per-row time; a short run of both modes prints the table and the ratio."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from sits.core.plan import ScheduledRequest, StepPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("qos_sim", ROOT / "bench" / "qos_sim.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan(*num_tokens: int) -> StepPlan:
+    return StepPlan([ScheduledRequest(f"r{i}", [1] * n, 0, [1], sample=n == 1)
+                     for i, n in enumerate(num_tokens)])  # fmt: skip
+
+
+def test_steps_are_padded_like_the_runner_and_cost_base_plus_rows(monkeypatch) -> None:
+    module = _module()
+    slept = []
+    monkeypatch.setattr(module.time, "sleep", slept.append)
+    runner = module._ModelledRunner(None, 0.02, 1e-5, [64, 128, 256, 512, 640], [1, 2, 4, 8])
+    result = runner.run(_plan(1, 1, 1))  # a decode step of 3 runs the batch-4 graph
+    assert sorted(result.sampled_token_ids) == ["r0", "r1", "r2"]
+    runner.run(_plan(1, 300, 300))  # 601 prompt and decode tokens run the 640-token bucket
+    assert [round(s, 6) for s in slept] == [0.02 + 4e-5, 0.02 + 640e-5]
+    assert runner.rows == 644
+
+
+def test_a_short_run_of_both_modes_prints_the_ratio(capsys) -> None:
+    module = _module()
+    args = ["--model", str(ROOT / "src/sits/demo_model"), "--tenants",
+            str(ROOT / "bench/qos/tenants.toml"), "--duration-s", "1.5", "--gold-rate", "4",
+            "--burst-rate", "8", "--input-len", "16", "--output-len", "4",
+            "--step-base-ms", "2", "--per-row-us", "1"]  # fmt: skip
+    assert module.main(args) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line[:7] in
+            ("| qos |", "| fcfs ")}  # fmt: skip
+    assert set(rows) == {"qos", "fcfs"}
+    assert all(int(line.split("|")[2]) > 0 for line in rows.values())  # steps ran
+    assert "output throughput QoS / FCFS (modelled device): " in out
