@@ -36,7 +36,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def _llm(shape: str, max_num_seqs: int, enforce_eager: bool):
+def _llm(
+    shape: str, max_num_seqs: int, enforce_eager: bool, max_model_len: int = 4096, dtype="bfloat16"
+):
     from sits import LLM
     from sits.bench.shapes import write_shape_dir
 
@@ -44,9 +46,9 @@ def _llm(shape: str, max_num_seqs: int, enforce_eager: bool):
         model=write_shape_dir(shape),
         load_format="dummy",
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=dtype,
         max_num_seqs=max_num_seqs,
-        max_model_len=4096,
+        max_model_len=max_model_len,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=0.85,
     )
@@ -100,16 +102,27 @@ def _mixed_plan(
     return StepPlan(scheduled)
 
 
-def _kernel_times(fn) -> dict[str, float]:
-    """us per CUDA kernel name over one call of `fn` (graph replays included)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+def _sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {
-        e.key: e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
-    }
+
+
+def _kernel_times(fn) -> dict[str, float]:
+    """us per CUDA kernel name over one call of `fn` (graph replays included); on a machine
+    without a GPU, us per CPU op (so the script's paths run anywhere)."""
+    fn()
+    _sync()
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+    if on_gpu:
+        return {
+            e.key: e.self_device_time_total
+            for e in prof.key_averages()
+            if e.device_type.name == "CUDA"
+        }
+    return {e.key: e.self_cpu_time_total for e in prof.key_averages()}
 
 
 def _mixed_sweep(runner, args) -> None:
@@ -157,7 +170,7 @@ def _replay(runner, args) -> None:
     vocab = runner.model.config.vocab_size
     rng = random.Random(0)
     rows, kernels = [], {}
-    for path in args.replay:
+    for index, path in enumerate(args.replay):
         mixed = [s for s in read_step_shapes(path) if any(n > 1 for _, n in s["reqs"])]
         middle = mixed[len(mixed) // 10 : len(mixed) - len(mixed) // 10] or mixed
         stride = max(1, len(middle) // args.replay_steps)
@@ -177,7 +190,7 @@ def _replay(runner, args) -> None:
         k = max(len(picked), 1)
         rows.append((path, len(picked), tokens / k, decodes / k, chunks / k, recorded_ms / k,
                      step_us / k / 1e3))  # fmt: skip
-        kernels[path] = {name: us / k for name, us in totals.items()}
+        kernels[f"{index + 1}: {path}"] = {name: us / k for name, us in totals.items()}
     print("\n### replayed steps with prompt chunks (forward only, no sampling)")
     print("| file | steps | tokens | decodes | chunks | recorded runner ms | replayed ms |")
     print("|---|---|---|---|---|---|---|")
@@ -211,11 +224,11 @@ def _forward_fn(runner, plan):
 def _time_us(fn, iters: int = 20) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / iters * 1e6
 
 
@@ -261,10 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         help="only replay the steps of these SITS_STEP_SHAPES_FILE recordings",
     )
     p.add_argument("--replay-steps", type=int, default=40, help="steps replayed per file")
+    p.add_argument("--max-model-len", type=int, default=4096, help="(--mixed-tokens, --replay)")
+    p.add_argument("--dtype", default="bfloat16", help="(--mixed-tokens, --replay)")
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     if args.mixed_tokens or args.replay:
-        llm = _llm(args.random_weights, 256, enforce_eager=False)
+        llm = _llm(args.random_weights, 256, False, args.max_model_len, args.dtype)
         with torch.inference_mode():
             if args.mixed_tokens:
                 _mixed_sweep(llm.engine_core.runner, args)
