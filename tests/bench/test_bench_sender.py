@@ -65,3 +65,20 @@ def test_the_command_line_names_the_flag_of_a_refused_value(capsys) -> None:
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--client-procs", "0"]) == 2
     err = capsys.readouterr().err
     assert "error: argument --client-procs: client_procs must be >= 1" in err
+
+
+def test_a_client_process_that_died_fails_the_run_with_its_name_and_code() -> None:
+    import queue
+    from types import SimpleNamespace
+
+    from sits.bench.errors import BenchmarkError
+    from sits.bench.sender import _take
+
+    empty = queue.Queue()  # the dead process never put its result
+    procs = [SimpleNamespace(name="sits-bench-client-0", exitcode=None),
+             SimpleNamespace(name="sits-bench-client-1", exitcode=1)]  # fmt: skip
+    with pytest.raises(BenchmarkError, match="client process sits-bench-client-1 exited with 1"):
+        _take(empty, procs)
+    results = queue.Queue()
+    results.put(("shard", 0))
+    assert _take(results, procs) == ("shard", 0)  # a result waiting is taken first

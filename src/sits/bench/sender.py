@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from sits.bench.client import make_client, send_streaming
+from sits.bench.errors import BenchmarkError
 from sits.bench.records import RequestRecord
 from sits.obs.gc_pauses import freeze_startup_heap
 
@@ -164,7 +165,7 @@ async def send_in_processes(
     process's lag samples in ms).
 
     Raises:
-        RuntimeError: a client process did not start within `_READY_TIMEOUT_S` or died.
+        BenchmarkError: a client process did not start within `_READY_TIMEOUT_S` or died.
     """
     ctx = multiprocessing.get_context("spawn")
     ready, go = ctx.Barrier(num_procs + 1), ctx.Barrier(num_procs + 1)
@@ -201,19 +202,19 @@ def _release(ready: Any, go: Any, start_unix_s: Any) -> None:
     try:
         ready.wait(timeout=_READY_TIMEOUT_S)
     except Exception as exc:  # threading.BrokenBarrierError: a child never came
-        raise RuntimeError(f"a client process did not start in {_READY_TIMEOUT_S:.0f} s") from exc
+        raise BenchmarkError(f"a client process did not start in {_READY_TIMEOUT_S:.0f} s") from exc
     start_unix_s.value = time.time() + _GO_AHEAD_S
     go.wait()
 
 
 def _take(results: Any, procs: list[Any]) -> tuple:
-    """The next child's result; RuntimeError when a child died without one."""
+    """The next child's result; BenchmarkError when a child died without one."""
     while True:
         try:
             return results.get(timeout=1.0)
         except Exception:  # queue.Empty
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(
-                    f"client process {dead[0].name} exited with code {dead[0].exitcode}"
+                raise BenchmarkError(
+                    f"client process {dead[0].name} exited with {dead[0].exitcode}"
                 ) from None
