@@ -28,12 +28,36 @@ import sys
 import time
 
 
-class _ModelledRunner:
-    """The model runner with the device replaced by a sleep (module docstring)."""
+def parse_curve(text: str) -> list[tuple[int, float]]:
+    """`ROWS:MS,ROWS:MS,...` -> [(rows, seconds)] sorted by rows (at least two points).
 
-    def __init__(self, real, base_s: float, per_row_s: float, buckets, batch_sizes) -> None:
+    Raises:
+        ValueError: malformed, or fewer than two points.
+    """
+    points = sorted((int(r), float(ms) / 1e3) for r, ms in (p.split(":") for p in text.split(",")))
+    if len(points) < 2:
+        raise ValueError(f"a cost curve needs at least two ROWS:MS points, got {text!r}")
+    return points
+
+
+def curve_s(points: list[tuple[int, float]], rows: int) -> float:
+    """Seconds of a step of `rows` rows on the piecewise-linear curve (extended at both ends
+    along its first and last segments)."""
+    i = min(max(bisect.bisect_left([r for r, _ in points], rows), 1), len(points) - 1)
+    (r0, s0), (r1, s1) = points[i - 1], points[i]
+    return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+
+class _ModelledRunner:
+    """The model runner with the device replaced by a sleep (module docstring): base +
+    per-row seconds, or a measured cost curve when given."""
+
+    def __init__(
+        self, real, base_s: float, per_row_s: float, buckets, batch_sizes, curve=None
+    ) -> None:
         self.real, self.base_s, self.per_row_s = real, base_s, per_row_s
         self.buckets, self.batch_sizes = list(buckets), list(batch_sizes)
+        self.curve = curve
         self.rows = 0
 
     def __getattr__(self, name):
@@ -48,7 +72,10 @@ class _ModelledRunner:
         )
         rows = sizes[min(bisect.bisect_left(sizes, num_tokens), len(sizes) - 1)]
         self.rows += rows
-        time.sleep(self.base_s + self.per_row_s * rows)
+        cost_s = self.base_s + self.per_row_s * rows
+        if self.curve is not None:
+            cost_s = curve_s(self.curve, rows)
+        time.sleep(cost_s)
         if while_gpu_runs is not None:
             while_gpu_runs()
         result = StepResult()
@@ -75,8 +102,9 @@ def _run_mode(mode: str, args) -> dict:
     core = build_engine(config, tenants).core
     buckets = mixed_token_buckets(config.max_num_batched_tokens)
     core.pacer.token_buckets = tuple(buckets)  # as the H200's runner reports them
+    curve = parse_curve(args.cost_curve) if args.cost_curve else None
     runner = _ModelledRunner(core.runner, args.step_base_ms / 1e3, args.per_row_us / 1e6,
-                             buckets, graph_batch_sizes(256))  # fmt: skip
+                             buckets, graph_batch_sizes(256), curve)  # fmt: skip
     core.runner = runner
     rng = random.Random(args.seed)
     vocab = min(core.runner.model.config.vocab_size, 8192)
@@ -142,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--step-base-ms", type=float, default=19.2)
     p.add_argument("--per-row-us", type=float, default=16.3)
+    p.add_argument(
+        "--cost-curve",
+        default=None,
+        metavar="ROWS:MS,...",
+        help="runner ms by padded rows, piecewise linear (instead of base + per row), e.g. "
+        "256:23.4,768:32.45,1280:40.22,2048:47.5",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))

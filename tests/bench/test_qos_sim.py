@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from sits.core.plan import ScheduledRequest, StepPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,3 +50,20 @@ def test_a_short_run_of_both_modes_prints_the_ratio(capsys) -> None:
     assert set(rows) == {"qos", "fcfs"}
     assert all(int(line.split("|")[2]) > 0 for line in rows.values())  # steps ran
     assert "output throughput QoS / FCFS (modelled device): " in out
+
+
+def test_a_measured_cost_curve_is_interpolated_piecewise(monkeypatch) -> None:
+    module = _module()
+    curve = module.parse_curve("1280:40.0,256:20.0,2048:48.0")  # any order
+    assert curve == [(256, 0.02), (1280, 0.04), (2048, 0.048)]
+    assert [round(module.curve_s(curve, r), 6) for r in (256, 768, 1664, 128, 2304)] == [
+        0.02, 0.03, 0.044, 0.0175, 0.050667,  # inside, and extended along the end segments
+    ]  # fmt: skip
+    slept = []
+    monkeypatch.setattr(module.time, "sleep", slept.append)
+    runner = module._ModelledRunner(None, 1.0, 1.0, [768, 1280], [256], curve)
+    runner.run(_plan(*([1] * 200), 500))  # 700 tokens run the 768-token bucket
+    assert [round(s, 6) for s in slept] == [0.03]
+    for bad in ("1280:40", "x:1,2:3"):
+        with pytest.raises(ValueError):
+            module.parse_curve(bad)
