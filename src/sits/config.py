@@ -56,6 +56,11 @@ class EngineConfig:
             of its tenant's tpot_ms, in (0, 1] (`sched.pacing.TpotPacer.target_fraction`):
             lower keeps more margin for what the client waits for beyond the engine, higher
             lets steps carry more prefill, hence more throughput.
+        tpot_pacing_min_prefill_tokens: a paced step takes prompt tokens only when at least
+            this many fit its time; below, it runs its decodes alone and banks the time for a
+            larger step (`sched.pacing.TpotPacer.min_prefill_tokens`). 0 (the default): off.
+            Pays where a step's cost is concave in its tokens (a few large steps cost less
+            than many middle-sized ones); `bench/qos_sim.py` compares both on a cost curve.
         num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically
@@ -83,6 +88,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     num_spare_experts: int = 0
     tpot_pacing_fraction: float = 0.9
+    tpot_pacing_min_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -112,6 +118,12 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
+        if not 0 <= self.tpot_pacing_min_prefill_tokens <= self.max_num_batched_tokens:
+            raise InvalidParameterError(
+                "tpot_pacing_min_prefill_tokens",
+                f"tpot_pacing_min_prefill_tokens must be in [0, max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}], got {self.tpot_pacing_min_prefill_tokens}",
+            )
         if not 0 < self.tpot_pacing_fraction <= 1:
             raise InvalidParameterError(
                 "tpot_pacing_fraction",

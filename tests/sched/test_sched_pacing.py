@@ -134,6 +134,26 @@ def test_pacer_budget_fills_the_largest_bucket_that_fits_less_the_decodes() -> N
     assert pacer.padded_tokens(1025) == 1025
 
 
+def test_a_budget_below_the_minimum_prefill_is_a_decode_only_step() -> None:
+    """min_prefill_tokens: a step takes prompt tokens only when that many fit; else none, and
+    the time banked lets a later step take them."""
+    gold = make_request("g", [1, 2, 3], tenant_id="gold")
+    gold.append_output_token(9)
+    gold.num_computed_tokens = 3
+    pacer = TpotPacer({"gold": 0.05}, 8192, target_fraction=1.0, min_prefill_tokens=2000)
+    pacer.observe_step(0, DECODE_S, end_s=0.0, sampled_ids=["g"], finished_ids=[])
+    pacer.model = _model()
+    assert pacer.max_prefill_tokens(0.015, [gold]) == 0  # 1,499 fit: below 2,000, none
+    # That step decodes alone: by 15 ms its second token is in, due at 100 ms. At 50 ms the
+    # 50 ms of slack fit 3,000 tokens, less the decode.
+    gold.append_output_token(9)
+    gold.num_computed_tokens = 4
+    assert pacer.max_prefill_tokens(0.05, [gold]) == 2999
+    assert pacer.max_prefill_tokens(0.065, [gold]) == 0  # 35 ms left: 1,499 fit, too few
+    pacer.min_prefill_tokens = 0
+    assert pacer.max_prefill_tokens(0.065, [gold]) == 1499  # off: the 1,499 go at once
+
+
 def test_pacer_leaves_out_what_it_cannot_help_and_waits_for_a_model() -> None:
     gold = make_request("g", [1, 2, 3], tenant_id="gold")
     gold.append_output_token(9)

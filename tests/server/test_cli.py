@@ -155,3 +155,13 @@ def test_a_missing_event_loop_is_refused_before_the_model_loads(monkeypatch, cap
     assert _parse(["--http", "h11", "--loop", "asyncio"]).loop == "asyncio"
     assert run_serve(_parse(["--loop", "uvloop"])) == 2
     assert "error: uvloop is not installed (pip install uvloop)" in capsys.readouterr().err
+
+
+def test_pacing_min_prefill_tokens_flag_reaches_the_engine_config() -> None:
+    args = _parse(["--tpot-pacing-min-prefill-tokens", "1536"])
+    assert EngineConfig(**engine_config_kwargs(args, "/m")).tpot_pacing_min_prefill_tokens == 1536
+    assert EngineConfig(model="/m").tpot_pacing_min_prefill_tokens == 0  # off by default
+    for bad in (-1, 4096):  # the default max_num_batched_tokens is 2048
+        with pytest.raises(InvalidParameterError, match="must be in \\[0, max_num_batched") as e:
+            EngineConfig(model="/m", tpot_pacing_min_prefill_tokens=bad)
+        assert e.value.param == "tpot_pacing_min_prefill_tokens"

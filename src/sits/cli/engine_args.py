@@ -108,6 +108,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "(0, 1] (0.9); higher lets steps carry more prompt tokens (throughput), lower keeps "
         "more margin under the SLO",
     )
+    parser.add_argument(
+        "--tpot-pacing-min-prefill-tokens",
+        type=int,
+        default=0,
+        help="a paced step takes prompt tokens only when at least this many fit, else it runs "
+        "its decodes alone and banks the time for a larger step (default 0: off)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -132,4 +139,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,
         "tpot_pacing_fraction": args.tpot_pacing_fraction,
+        "tpot_pacing_min_prefill_tokens": args.tpot_pacing_min_prefill_tokens,
     }

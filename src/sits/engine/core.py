@@ -161,6 +161,7 @@ class EngineCore:
             {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},
             config.max_num_batched_tokens,
             target_fraction=config.tpot_pacing_fraction,
+            min_prefill_tokens=config.tpot_pacing_min_prefill_tokens,
             token_buckets=self.runner.step_token_buckets,
         )
         self._rescue_tenants = ttft_rescue_tenants(tenant_policies)

@@ -190,6 +190,14 @@ class TpotPacer:
             (bench/RESULTS.md, 2026-11-30) a 40 ms schedule gave client-measured TPOTs of
             at most 40.06 ms over 1,733 requests, so 10 % is ample margin, while every
             point of it costs decode batch size, hence throughput.
+        min_prefill_tokens: a budget below this is 0 too: the step runs its decodes alone,
+            which banks time on the paced requests' schedules, so a later step can take at
+            least this many prompt tokens. 0: off. Where a step's cost is concave in its
+            tokens, alternating decode-only and large steps costs less than filling the same
+            middle-sized step each time: on the CPU simulation with the H200's measured step
+            costs (`bench/qos_sim.py --cost-curve`, virtual clock), 1,536 took QoS from 5,496
+            to 5,773 output tok/s (gold's TTFT and TPOT SLOs still all met); with a linear
+            cost it lost 2 %. Not yet measured on the GPU.
         model: the step-time model, fed by the engine after each step.
         token_buckets: token counts a step with prompt tokens is padded to (the runner's
             mixed-step CUDA graphs), ascending; empty: such steps run unpadded.
@@ -199,6 +207,7 @@ class TpotPacer:
     max_num_batched_tokens: int
     min_chunk_tokens: int = 16
     target_fraction: float = 0.9
+    min_prefill_tokens: int = 0
     model: StepTimeModel | None = None
     token_buckets: tuple[int, ...] = ()
     _first_token_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
@@ -292,4 +301,4 @@ class TpotPacer:
             i = bisect_right(self.token_buckets, num_tokens)
             num_tokens = self.token_buckets[i - 1] if i else 0
         budget = min(num_tokens - num_decodes, self.max_num_batched_tokens)
-        return budget if budget >= self.min_chunk_tokens else 0
+        return budget if budget >= max(self.min_chunk_tokens, self.min_prefill_tokens) else 0
