@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import random
 import statistics
 import sys
@@ -83,6 +84,10 @@ class _ModelledRunner:
     def run(self, plan, while_gpu_runs=None):
         from sits.core.plan import StepResult
 
+        if not plan.scheduled:  # nothing to run (the real runner returns at once)
+            if self.clock is not None:
+                self.clock.now_s += max(self.host_s, 1e-3)  # time passes all the same
+            return StepResult()
         num_tokens = sum(sr.num_tokens for sr in plan.scheduled)
         sizes = (
             self.batch_sizes if all(sr.num_tokens == 1 for sr in plan.scheduled) else self.buckets
@@ -107,9 +112,7 @@ class _ModelledRunner:
 
 def _run_mode(mode: str, args) -> dict:
     from sits.config import EngineConfig
-    from sits.core.sampling_params import SamplingParams
     from sits.engine.builder import build_engine, tenant_policies_of
-    from sits.engine.requests import make_engine_requests
     from sits.runner.cuda_graphs import graph_batch_sizes, mixed_token_buckets
     from sits.tenancy.loader import load_tenants
 
@@ -129,11 +132,46 @@ def _run_mode(mode: str, args) -> dict:
     runner = _ModelledRunner(core.runner, args.step_base_ms / 1e3, args.per_row_us / 1e6,
                              buckets, graph_batch_sizes(256), curve, clock, host_s)  # fmt: skip
     core.runner = runner
-    monotonic = time.monotonic if clock is None else clock.monotonic
-    if clock is not None:  # the engine reads this clock too (its only clock reads)
-        import sits.engine.core as core_module
+    with _engine_clock(clock):
+        arrival, first, last, counts, num_tokens, elapsed_s = _drive(core, clock, mode, args)
+    gold = [first[r] - arrival[r] for r in arrival if r.startswith("gold") and r in first]
+    gold_tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in first
+                 if r.startswith("gold") and counts[r] == args.output_len]  # fmt: skip
+    steps = max(core.num_steps, 1)
+    return {
+        "steps": core.num_steps, "step_ms": elapsed_s / steps * 1e3,
+        "tok_s": num_tokens / elapsed_s, "rows": runner.rows / steps,
+        "schedule_ms": core.phase_s["schedule"] / steps * 1e3,
+        "update_ms": core.phase_s["update"] / steps * 1e3,
+        "gold_ttft_p50_ms": statistics.median(gold) * 1e3 if gold else None,
+        "gold_ttft_met_pct": 100 * sum(t <= 1.0 for t in gold) / len(gold) if gold else None,
+        "gold_tpot_p99_ms": sorted(gold_tpot)[int(0.99 * (len(gold_tpot) - 1))] * 1e3
+        if gold_tpot else None,
+    }  # fmt: skip
 
-        core_module.time = SimpleNamespace(monotonic=clock.monotonic)
+
+@contextlib.contextmanager
+def _engine_clock(clock: VirtualClock | None):
+    """On a virtual clock, the engine reads it too (`EngineCore.step`'s only clock reads)."""
+    if clock is None:
+        yield
+        return
+    import sits.engine.core as core_module
+
+    core_module.time = SimpleNamespace(monotonic=clock.monotonic)
+    try:
+        yield
+    finally:
+        core_module.time = time
+
+
+def _drive(core, clock: VirtualClock | None, mode: str, args) -> tuple:
+    """Send the mix and step the engine for `args.duration_s`; returns (arrival, first token
+    and last token times by request id, tokens by request id, output tokens, seconds)."""
+    from sits.core.sampling_params import SamplingParams
+    from sits.engine.requests import make_engine_requests
+
+    monotonic = time.monotonic if clock is None else clock.monotonic
     rng = random.Random(args.seed)
     vocab = min(core.runner.model.config.vocab_size, 8192)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
@@ -168,10 +206,7 @@ def _run_mode(mode: str, args) -> dict:
                 ):  # fmt: skip
                     core.add_request(child)
                 arrival[request_id] = at
-        steps_before = core.num_steps
         outputs = core.step()
-        if clock is not None and core.num_steps == steps_before:
-            clock.now_s += 1e-3  # nothing ran: let time pass
         end_s = monotonic()
         for out in outputs:
             if out.new_token_ids:
@@ -179,25 +214,7 @@ def _run_mode(mode: str, args) -> dict:
                 first.setdefault(out.request_id, end_s)
                 last[out.request_id] = end_s
                 counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-    elapsed_s = monotonic() - t0
-    if clock is not None:
-        import sits.engine.core as core_module
-
-        core_module.time = time
-    gold = [first[r] - arrival[r] for r in arrival if r.startswith("gold") and r in first]
-    gold_tpot = [(last[r] - first[r]) / (counts[r] - 1) for r in first
-                 if r.startswith("gold") and counts[r] == args.output_len]  # fmt: skip
-    steps = max(core.num_steps, 1)
-    return {
-        "steps": core.num_steps, "step_ms": elapsed_s / steps * 1e3,
-        "tok_s": num_tokens / elapsed_s, "rows": runner.rows / steps,
-        "schedule_ms": core.phase_s["schedule"] / steps * 1e3,
-        "update_ms": core.phase_s["update"] / steps * 1e3,
-        "gold_ttft_p50_ms": statistics.median(gold) * 1e3 if gold else None,
-        "gold_ttft_met_pct": 100 * sum(t <= 1.0 for t in gold) / len(gold) if gold else None,
-        "gold_tpot_p99_ms": sorted(gold_tpot)[int(0.99 * (len(gold_tpot) - 1))] * 1e3
-        if gold_tpot else None,
-    }  # fmt: skip
+    return arrival, first, last, counts, num_tokens, monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:

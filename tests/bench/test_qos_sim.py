@@ -67,3 +67,21 @@ def test_a_measured_cost_curve_is_interpolated_piecewise(monkeypatch) -> None:
     for bad in ("1280:40", "x:1,2:3"):
         with pytest.raises(ValueError):
             module.parse_curve(bad)
+
+
+def test_the_virtual_clock_gives_the_same_figures_twice_and_gives_the_clock_back(capsys):
+    import time
+
+    import sits.engine.core as core_module
+
+    module = _module()
+    args = ["--model", str(ROOT / "src/sits/demo_model"), "--tenants",
+            str(ROOT / "bench/qos/tenants.toml"), "--duration-s", "3", "--host-ms", "5",
+            "--gold-rate", "4", "--burst-rate", "8", "--input-len", "16", "--output-len", "4",
+            "--min-prefill-tokens", "32"]  # fmt: skip
+    outs = []
+    for _ in range(2):
+        assert module.main(args) == 0
+        outs.append(capsys.readouterr().out.split("\n", 1)[1])  # after the command line
+    assert outs[0] == outs[1] and "output throughput QoS / FCFS" in outs[0]
+    assert core_module.time is time  # the engine reads the real clock again
