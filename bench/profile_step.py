@@ -37,7 +37,11 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def _llm(
-    shape: str, max_num_seqs: int, enforce_eager: bool, max_model_len: int = 4096, dtype="bfloat16"
+    shape: str,
+    max_num_seqs: int,
+    enforce_eager: bool,
+    max_model_len: int = 4096,
+    dtype: str = "bfloat16",
 ):
     from sits import LLM
     from sits.bench.shapes import write_shape_dir
@@ -234,10 +238,10 @@ def _time_us(fn, iters: int = 20) -> float:
 
 def _kernel_table(fn, label: str, top: int) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        torch.cuda.synchronize()
+        _sync()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)

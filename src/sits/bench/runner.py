@@ -17,7 +17,7 @@ The duration is step 5's wall time: from t = 0 until the last request ended.
 Step 5 runs in this process, or in `client_procs` spawned client processes that share t = 0
 (`sits.bench.sender.send_in_processes`): one Python process parses every streamed event, and
 at a few thousand events per second its own lag would land in the latencies it reports. The
-client's event-loop lag is measured through step 5 (`sits.bench.sender.LoopLagProbe`) and
+client's event-loop lag is measured through step 5 (`sits.bench.sender.send_with_probe`) and
 reported (`RunResult.client_loop_lag_ms`): a p99 lag near the latencies measured means they
 are the client's, not the server's.
 """
@@ -46,13 +46,7 @@ from sits.bench.errors import BenchmarkError
 from sits.bench.probe import fetch_model, normalize_base_url, plan_prompts
 from sits.bench.prompts import TextPrompts, TokenIdPrompts
 from sits.bench.records import RequestRecord
-from sits.bench.sender import (
-    LoopLagProbe,
-    Outgoing,
-    lag_summary,
-    send_in_processes,
-    send_on_schedule,
-)
+from sits.bench.sender import Outgoing, lag_summary, send_in_processes, send_with_probe
 from sits.bench.workload import ScheduledRequest, TenantLoad, build_schedule
 from sits.core.errors import InvalidParameterError
 from sits.obs.gc_pauses import freeze_startup_heap
@@ -160,16 +154,10 @@ async def _send_all(
         return await send_in_processes(
             url, outgoing, records, config.client_procs, config.request_timeout_s
         )
-    probe = LoopLagProbe()
-    probe.start()
-    try:
-        by_index = dict(enumerate(records))
-        duration_s = await send_on_schedule(
-            client, url, outgoing, by_index, time.perf_counter(), config.max_concurrency
-        )
-    finally:
-        await probe.stop()
-    return duration_s, probe.lags_ms
+    return await send_with_probe(
+        client, url, outgoing, dict(enumerate(records)), time.perf_counter(),
+        config.max_concurrency,
+    )  # fmt: skip
 
 
 def raise_open_file_limit() -> int:

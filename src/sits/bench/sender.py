@@ -120,6 +120,25 @@ async def send_on_schedule(
     return time.perf_counter() - start
 
 
+async def send_with_probe(
+    client: httpx.AsyncClient,
+    url: str,
+    outgoing: list[Outgoing],
+    records: dict[int, RequestRecord],
+    start: float,
+    max_concurrency: int | None = None,
+) -> tuple[float, list[float]]:
+    """`send_on_schedule` with a `LoopLagProbe` running through it; returns (its seconds, the
+    lag samples in ms)."""
+    probe = LoopLagProbe()
+    probe.start()
+    try:
+        duration_s = await send_on_schedule(client, url, outgoing, records, start, max_concurrency)
+    finally:
+        await probe.stop()
+    return duration_s, probe.lags_ms
+
+
 def _child(
     shard: int,
     url: str,
@@ -136,18 +155,14 @@ def _child(
 
     async def run() -> tuple[float, list[float]]:
         async with make_client(timeout_s) as client:
-            probe = LoopLagProbe()
             freeze_startup_heap()
             ready.wait()
             go.wait()
             start = time.perf_counter() + (start_unix_s.value - time.time())
-            probe.start()
             try:
-                duration_s = await send_on_schedule(client, url, outgoing, records, start)
+                return await send_with_probe(client, url, outgoing, records, start)
             finally:
-                await probe.stop()
                 gc.unfreeze()
-            return duration_s, probe.lags_ms
 
     duration_s, lags = asyncio.run(run())
     results.put((shard, records, duration_s, lags))

@@ -329,7 +329,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants = load_tenants_arg(args.tenants, api_key)
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
-        resolve_http(args.http), loop_factory(args.loop)  # refused before the model loads
+        # A missing --http/--loop implementation is refused here, before the model loads.
+        http = resolve_http(args.http)
+        loop_factory(args.loop)
     except SitsError as exc:
         from sits.tenancy.loader import TenantConfigError, check_tenants
 
@@ -384,9 +386,7 @@ def run_serve(args: argparse.Namespace) -> int:
         gpu_price_per_hour=args.gpu_price_per_hour,
     )
     app = build_app(engine, settings)
-    return run_app(
-        app, args.host, args.port, log_level=args.log_level, http=args.http, loop=args.loop
-    )
+    return run_app(app, args.host, args.port, log_level=args.log_level, http=http, loop=args.loop)
 
 
 def main(argv: list[str] | None = None) -> int:

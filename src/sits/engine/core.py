@@ -132,6 +132,8 @@ class EngineCore:
         record_request_chunks: when True (tracing), each request's prompt chunks (and
             recomputes) travel on its next output as `EngineCoreOutput.prefill_chunks`:
             (step end time.monotonic(), tokens) per chunk since its previous output.
+        clock: the seconds clock `step` reads (time.monotonic; a simulation with a modelled
+            device sets its own, e.g. `bench/qos_sim.py`'s virtual clock).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class EngineCore:
         self.num_decode_rows = 0
         self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
+        self.clock: Callable[[], float] = time.monotonic
         self.step_shapes = recorder_from_env(os.environ)  # SITS_STEP_SHAPES_FILE, for replays
         self.step_profiler = profiler_from_env(os.environ)  # SITS_PROFILE_STEPS=START:COUNT
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
@@ -270,7 +273,7 @@ class EngineCore:
         """
         if self.step_profiler is not None:
             self.step_profiler.before_step(self.num_steps + 1)
-        start_s = time.monotonic()
+        start_s = self.clock()
         expired = self._drop_unstarted(start_s) if self._start_deadlines else []
         max_prefill_tokens = None
         if self.pacer.enabled:
@@ -286,7 +289,7 @@ class EngineCore:
         if self._has_tenants:
             reclaim = self.scheduler.reclaim_due_tenants(start_s, RECLAIM_PATIENCE)
         plan = self.scheduler.schedule(max_prefill_tokens, reclaim)
-        now = time.monotonic()
+        now = self.clock()
         for sr in plan.scheduled:
             if sr.request_id not in self._first_scheduled_s:
                 self._first_scheduled_s[sr.request_id] = now
@@ -294,11 +297,11 @@ class EngineCore:
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
         result = self.runner.run(plan, while_gpu_runs)
-        ran_s = time.monotonic()
+        ran_s = self.clock()
         if self.step_shapes is not None and plan.scheduled:
             self.step_shapes.record(plan, ran_s - now)
         outputs = self.scheduler.update(plan, result)
-        end_s = time.monotonic()
+        end_s = self.clock()
         phase_s = self.phase_s
         phase_s["schedule"] += now - start_s
         phase_s["runner"] += ran_s - now

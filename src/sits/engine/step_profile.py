@@ -56,14 +56,14 @@ class StepProfiler:
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
             self._profile = profile(activities=activities)
-            self._profile.__enter__()
+            self._profile.start()
 
     def after_step(self, step: int) -> None:
         """Call after step number `step` ran: ends the window and writes the table."""
         if self._profile is None or step < self.start + self.count - 1:
             return
         prof, self._profile = self._profile, None
-        prof.__exit__(None, None, None)
+        prof.stop()
         self.done = True
         on_gpu = torch.cuda.is_available()
         table = prof.key_averages().table(

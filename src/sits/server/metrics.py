@@ -400,7 +400,7 @@ class RequestRecorder(OutputObserver):
         self._generation_tokens = metrics.generation_tokens.labels(label)
         self._itl = metrics.itl.labels(label)
         self._tenant_generation_tokens = (
-            None if self.t is None else self.t.generation_tokens.labels(label, tenant.id)
+            None if self.t is None else self.t.generation_tokens_of(tenant.id)
         )
 
     def on_output(self, output: RequestOutput) -> None:

@@ -120,7 +120,12 @@ class TenantMetrics:
         self.prompt_tokens.labels(self.model_name, tenant_id).inc(num_tokens)
 
     def add_generation_tokens(self, tenant_id: str, num_tokens: int) -> None:
-        self.generation_tokens.labels(self.model_name, tenant_id).inc(num_tokens)
+        self.generation_tokens_of(tenant_id).inc(num_tokens)
+
+    def generation_tokens_of(self, tenant_id: str) -> Counter:
+        """The tenant's generation-token counter child (kept by a request's recorder, which
+        adds to it on every token: `labels()` per token cost ~1 us each)."""
+        return self.generation_tokens.labels(self.model_name, tenant_id)
 
     def observe_ttft(self, tenant: TenantConfig, ttft_s: float) -> None:
         """Record a TTFT (seconds) and, when the tenant has a TTFT SLO, whether it was met."""
