@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -165,3 +166,13 @@ def test_pacing_min_prefill_tokens_flag_reaches_the_engine_config() -> None:
         with pytest.raises(InvalidParameterError, match="must be in \\[0, max_num_batched") as e:
             EngineConfig(model="/m", tpot_pacing_min_prefill_tokens=bad)
         assert e.value.param == "tpot_pacing_min_prefill_tokens"
+
+
+def test_a_refused_engine_flag_is_named_as_argparse_names_its_own(capsys) -> None:
+    from sits.cli.serve import run_serve
+
+    model = str(Path(demo.__file__).parent / "demo_model")  # the checkpoint sits ships
+    argv = ["--model", model, "--tpot-pacing-min-prefill-tokens", "-1"]
+    assert run_serve(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --tpot-pacing-min-prefill-tokens: tpot_pacing_min_prefill_tokens" in err

@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from sits.core.errors import InvalidParameterError, SitsError
+from sits.cli.flags import flag_prefix
+from sits.core.errors import SitsError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,18 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except SitsError as exc:
-        print(f"error: {_flag_of(exc, args)}{exc}", file=sys.stderr)
+        print(f"error: {flag_prefix(exc, args)}{exc}", file=sys.stderr)
         return 2
-
-
-def _flag_of(exc: SitsError, args: argparse.Namespace) -> str:
-    """ "argument --NAME: " when `exc` is about a value the command line gave (its param is one
-    of the parsed options, spelled with dashes), as argparse names the flag of its own errors;
-    else ""."""
-    param = getattr(exc, "param", None) if isinstance(exc, InvalidParameterError) else None
-    if not param or not hasattr(args, param) or getattr(args, param) is None:
-        return ""
-    return f"argument --{param.replace('_', '-')}: "
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sits.cli.engine_args import add_engine_args, engine_kwargs
+from sits.cli.flags import flag_prefix
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
@@ -366,7 +367,7 @@ def run_serve(args: argparse.Namespace) -> int:
             restore_frozen_experts=args.restore_frozen_experts,
         )
     except SitsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_prefix(exc, args)}{exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     description = info.get("description") or (TRAINED_DESCRIPTION if is_demo else None)
     if random_weights:
