@@ -13,6 +13,7 @@ from sits.core.errors import InvalidParameterError, ModelNotFoundError
 from sits.models.dummy import (
     DUMMY_MARKER,
     DUMMY_STD,
+    ROUTER_DIMS_DIVISOR,
     dummy_tensor,
     parameter_seed,
     prepare_dummy_dir,
@@ -130,3 +131,46 @@ def test_dummy_moe_routes_over_every_expert_with_finite_logits(tmp_path, monkeyp
         assert int((counts > 0).sum()) == 8  # 172 tokens x top-2 reach all 8 experts
         assert int(counts.sum()) == 2 * (4 * 40 + 4 * 3)
     assert json.loads((tmp_path / "shapes" / "tiny-qwen3-moe" / "config.json").read_text())
+
+
+def test_dummy_router_reads_only_the_token_dims() -> None:
+    hidden, divisor = 64, ROUTER_DIMS_DIVISOR
+    o_proj = dummy_tensor("model.layers.0.self_attn.o_proj.weight", (hidden, 32), torch.float32,
+                          "cpu", 0)  # fmt: skip
+    w2 = dummy_tensor("model.layers.0.mlp.w2", (4, hidden, 16), torch.float32, "cpu", 0)
+    gate = dummy_tensor("model.layers.0.mlp.gate.weight", (4, hidden), torch.float32, "cpu", 0)
+    qkv = dummy_tensor("model.layers.0.self_attn.qkv_proj.weight", (hidden, 32), torch.float32,
+                       "cpu", 0)  # fmt: skip
+    k = hidden // divisor
+    assert torch.count_nonzero(o_proj[:k]) == 0 and torch.count_nonzero(w2[:, :k]) == 0
+    assert torch.count_nonzero(gate[:, k:]) == 0
+    assert torch.count_nonzero(o_proj[k:]) == (hidden - k) * 32
+    assert torch.count_nonzero(w2[:, k:]) == 4 * (hidden - k) * 16
+    assert torch.count_nonzero(gate[:, :k]) == 4 * k
+    assert torch.count_nonzero(qkv) == hidden * 32  # other weights are dense
+
+
+def test_dummy_moe_routes_random_tokens_over_all_experts(tiny_model_factory) -> None:
+    """Plain random weights send most tokens to the same few experts after the first layer
+    (sits.models.dummy, "Routing"): on this model max/mean tokens per expert was 2.1-4.0 in
+    every layer; the dummy weights must spread them (1.3-1.5 here)."""
+    from sits.core.sampling_params import SamplingParams
+    from sits.engine.llm import LLM
+    from sits.layers.moe_stats import ExpertMonitor
+
+    num_experts, top_k, num_layers = 16, 2, 8
+    model_dir = tiny_model_factory(
+        "qwen3_moe", hidden_size=512, num_hidden_layers=num_layers, num_experts=num_experts,
+        num_experts_per_tok=top_k, head_dim=64,
+    )  # fmt: skip
+    llm = LLM(str(model_dir), load_format="dummy", dtype="float32", max_model_len=104,
+              kv_cache_memory_bytes=64 << 20)  # fmt: skip
+    ids = torch.randint(1, 512, (8, 96), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.generate([{"prompt_token_ids": p} for p in ids],
+                 SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))  # fmt: skip
+    stats = ExpertMonitor.of_model(llm.engine_core.runner.model).read()
+    assert len(stats.layers) == num_layers
+    for layer in stats.layers:
+        assert sum(layer.num_tokens) == 8 * 96 * top_k  # mean 96 per expert
+        assert min(layer.num_tokens) > 0, (layer.layer_id, layer.num_tokens)
+        assert layer.imbalance < 1.75, (layer.layer_id, layer.num_tokens)

@@ -8,8 +8,19 @@ parameter exactly (the transformers peer of the benchmark gets the same weights 
 
 Values: RMSNorm weights 1, biases 0, every other parameter N(0, DUMMY_STD^2). With std 0.02 a
 unit-RMS input gives projections of RMS about 0.02 * sqrt(fan_in) (0.9 at width 2048), so each
-layer adds O(1) to the residual stream (finite in bf16 through 48 layers) and router logits
-have a spread of about 1, which routes tokens over all experts.
+layer adds O(1) to the residual stream (finite in bf16 through 48 layers).
+
+Routing like a trained model's. With plain random weights the residual stream of every token
+fills with the same direction (attention averages the values over the context), so from the
+second layer on the router sends nearly every token to the same few experts: a 10-layer model
+of the Qwen3-30B-A3B shape sent 430-512 of 512 random tokens to one expert in layers 1-9 (the
+mean is 32), and its MoE benchmarks would read a few experts per layer where a trained,
+load-balanced model reads most of them. So the first H / ROUTER_DIMS_DIVISOR dimensions of the
+hidden state carry the token's embedding alone: the layers' output projections (attention
+`o_proj`, the MLP's `down_proj`, the experts' `w2`) are zero in those rows, and the router
+(`mlp.gate`) reads only those dimensions. Routing then depends on the token, and random
+tokens spread over all experts in every layer (the same model: all 128 experts in every
+layer, at most 56 tokens on one). Compute and bytes per step are unchanged.
 
 A "dummy directory" holds a checkpoint's config.json and generation_config.json plus the marker
 file DUMMY_MARKER ({"seed": S}); `load_model` with load_format "auto" makes dummy weights for
@@ -30,6 +41,9 @@ from torch import Tensor, nn
 from sits.config import sits_cache_dir
 
 DUMMY_STD = 0.02
+ROUTER_DIMS_DIVISOR = 8  # the router reads hidden dimensions [0, H // 8)
+_RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight", ".w2")  # rows over H: [..., H, in]
+_ROUTERS = ("mlp.gate.weight",)  # [E, H]
 DUMMY_MARKER = "sits_dummy_weights.json"
 _COPIED_FILES = ("config.json", "generation_config.json")
 
@@ -59,6 +73,17 @@ def fill_dummy_(param: Tensor, name: str, seed: int, std: float = DUMMY_STD) -> 
             generator = torch.Generator(device=param.device)
             generator.manual_seed(parameter_seed(seed, name))
             param.normal_(0.0, std, generator=generator)
+            _keep_router_dims_for_tokens_(param, name)
+
+
+def _keep_router_dims_for_tokens_(param: Tensor, name: str) -> None:
+    """Zero what ties routing to the token alone (module docstring, "Routing"): the rows of
+    hidden dims [0, H // ROUTER_DIMS_DIVISOR) in a layer's output projection ([..., H, in]),
+    the columns of the other dims in a router ([E, H])."""
+    if name.endswith(_RESIDUAL_WRITERS) and param.dim() >= 2:
+        param[..., : param.shape[-2] // ROUTER_DIMS_DIVISOR, :] = 0
+    elif name.endswith(_ROUTERS) and param.dim() == 2:
+        param[:, param.shape[-1] // ROUTER_DIMS_DIVISOR :] = 0
 
 
 def dummy_tensor(

@@ -197,7 +197,10 @@ class TpotPacer:
             middle-sized step each time: on the CPU simulation with the H200's measured step
             costs (`bench/qos_sim.py --cost-curve`, virtual clock), 1,536 took QoS from 5,496
             to 5,773 output tok/s (gold's TTFT and TPOT SLOs still all met); with a linear
-            cost it lost 2 %. Not yet measured on the GPU.
+            cost it lost 2 %. On the H200 (bench/RESULTS.md, 2026-11-30, runs 17-19) 1,536
+            gave QoS / FCFS 0.992 against 0.923 while a MoE config made 1,152-token steps
+            dear, and 0.965 / 0.960 against 0.948 / 0.957 once it did not: off by default
+            until more runs than these two pairs show the gain.
         model: the step-time model, fed by the engine after each step.
         token_buckets: token counts a step with prompt tokens is padded to (the runner's
             mixed-step CUDA graphs), ascending; empty: such steps run unpadded.
