@@ -10,6 +10,9 @@
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   sweep    mixed steps as a paced server runs them (240 decodes at context 576 + chunks of
 #            512), 768-2,048 tokens: replayed step us and each top kernel's us per size (~2 min)
+#   moe_ab   the same sweep (1,024-2,048 tokens) with the shipped MoE configs and with those of
+#            MOE_ALT_DIR (SITS_MOE_CONFIG_DIR); by default the shipped ones with the tuner's
+#            BLOCK_M 128 entry for 1,025-2,048 tokens of the qwen3 shape (~2 min)
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
 #            adds engine flags to the offline runs (e.g. --no-mixed-step-cuda-graphs)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
@@ -88,6 +91,15 @@ if has sweep; then
   run mixed_sweep python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
     --mixed-tokens 768 896 1024 1152 1280 1408 1536 1792 2048 --mixed-decodes 240 \
     --context 576 --top 24
+fi
+if has moe_ab; then
+  alt="${MOE_ALT_DIR:-$OUT_DIR/moe_alt}"
+  [[ -n ${MOE_ALT_DIR:-} ]] || python3 bench/kernels/moe_alt_config.py "$alt"
+  for dir in src/sits/kernels/configs "$alt"; do
+    run "moe_ab_$(basename "$dir")" env SITS_MOE_CONFIG_DIR="$dir" python3 bench/profile_step.py \
+      --random-weights qwen3-30b-a3b --mixed-tokens 1024 1152 1280 1536 2048 \
+      --mixed-decodes 240 --context 576 --top 8
+  done
 fi
 if has micro; then
   run attention_bench python3 bench/kernels/attention_bench.py

@@ -169,7 +169,7 @@ def test_backend_selects_like_reference_and_handles_empty_batch() -> None:
     assert backend.experts(x, w13, w2, weights, ids).shape == (0, 32)
 
 
-def test_config_json_round_trip_and_bucket_choice(tmp_path) -> None:
+def test_config_json_round_trip_and_bucket_choice(tmp_path, monkeypatch) -> None:
     flat = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4}
     nested = WIDE.to_json()
     name = config_file_name(4, 16, torch.float32, "cpu")
@@ -183,6 +183,11 @@ def test_config_json_round_trip_and_bucket_choice(tmp_path) -> None:
     cpu = torch.device("cpu")
     assert store.select(30, 2, 4, 16, torch.float32, cpu) == WIDE
     assert store.select(30, 2, 4, 32, torch.float32, cpu) == default_config(30, 2, 4)
+    monkeypatch.setenv("SITS_MOE_CONFIG_DIR", str(tmp_path))  # read when a store is made
+    assert MoeConfigStore().config_dir == tmp_path
+    assert MoeConfigStore().select(30, 2, 4, 16, torch.float32, cpu) == WIDE
+    monkeypatch.delenv("SITS_MOE_CONFIG_DIR")
+    assert MoeConfigStore().config_dir == CONFIG_DIR
     (tmp_path / "bad.json").write_text('{"1": {"BLOCK_N": 16}}')
     with pytest.raises(InvalidParameterError):
         load_config_table(tmp_path / "bad.json")

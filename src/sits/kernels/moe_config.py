@@ -12,12 +12,14 @@ Invariants:
 - A step with T tokens uses the entry of the smallest key >= T (the largest key when T is
   larger than all); without a file, `default_config` (a heuristic on rows per expert).
 - Files are read when first needed, never at import; `MoeConfigStore` caches them per instance.
-- `bench/kernels/moe_tune.py` writes these files.
+- `bench/kernels/moe_tune.py` writes these files; SITS_MOE_CONFIG_DIR points the engine at
+  another directory of them (e.g. to compare two configs on the same workload).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ import torch
 from sits.core.errors import InvalidParameterError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR_ENV = "SITS_MOE_CONFIG_DIR"  # another directory of tuned files (A/B of configs)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -179,11 +182,15 @@ class MoeConfigStore:
     """Finds and caches tuned config tables (one per shape, dtype and device).
 
     Args:
-        config_dir: where the JSON files live (default: `configs/` beside this module).
+        config_dir: where the JSON files live (default: the environment variable
+            SITS_MOE_CONFIG_DIR, read here, else `configs/` beside this module). A directory
+            without a file for the shape falls back to `default_config`, not to `configs/`.
     """
 
     def __init__(self, config_dir: str | Path | None = None) -> None:
-        self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
+        if config_dir is None:
+            config_dir = os.environ.get(CONFIG_DIR_ENV) or CONFIG_DIR
+        self.config_dir = Path(config_dir)
         self._tables: dict[tuple, dict[int, MoeLaunchConfig] | None] = {}
 
     def table(
