@@ -202,20 +202,27 @@ def _drive(core, clock: VirtualClock | None, mode: str, args) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="src/sits/demo_model")
-    p.add_argument("--tenants", default="bench/qos/tenants.toml")
-    p.add_argument("--modes", default="qos,fcfs")
-    p.add_argument("--duration-s", type=float, default=30.0)
-    p.add_argument("--pacing-fraction", type=float, default=0.9)
+    p = argparse.ArgumentParser(
+        description="Tenant-aware scheduling (QoS) against first-come-first-served (FCFS) on "
+        "the CPU: the real engine with a modelled device time per step.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="src/sits/demo_model", help="checkpoint the engine loads")
+    p.add_argument("--tenants", default="bench/qos/tenants.toml", help="tenants file (SLOs)")
+    p.add_argument("--modes", default="qos,fcfs", help="comma-separated: qos, fcfs")
+    p.add_argument("--duration-s", type=float, default=30.0, help="seconds of arrivals")
+    p.add_argument("--pacing-fraction", type=float, default=0.9,
+                   help="the engine's --tpot-pacing-fraction")  # fmt: skip
     p.add_argument("--min-prefill-tokens", type=int, default=0,
                    help="the engine's --tpot-pacing-min-prefill-tokens (0: off)")  # fmt: skip
-    p.add_argument("--gold-rate", type=float, default=11.7, help="req/s (0.3 x capacity 39)")
-    p.add_argument("--burst-rate", type=float, default=81.9, help="req/s (3 x the rest)")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--step-base-ms", type=float, default=19.2)
-    p.add_argument("--per-row-us", type=float, default=16.3)
+    p.add_argument("--gold-rate", type=float, default=11.7,
+                   help="guaranteed tenant's arrivals, req/s (30 %% of 39 req/s)")  # fmt: skip
+    p.add_argument("--burst-rate", type=float, default=81.9,
+                   help="burstable tenant's arrivals, req/s (3 x the capacity left)")  # fmt: skip
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--step-base-ms", type=float, default=19.2, help="device ms of any step")
+    p.add_argument("--per-row-us", type=float, default=16.3, help="device us per padded row")
     p.add_argument(
         "--cost-curve",
         default=None,
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run on a virtual clock, each step costing its device time plus this many ms of "
         "host time (deterministic; the H200's QoS loop spent ~5 ms per step outside the runner)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     results = {mode: _run_mode(mode, args) for mode in args.modes.split(",")}

@@ -12,5 +12,5 @@ def check_gpu_only_roofline(device: str, roofline: dict[str, Any], printed: str)
         assert "% of the roofline" in printed
         return
     assert roofline["on_gpu"] is False and roofline["fraction"] is None
-    assert "applies to the GPU only" in printed
+    assert "not computed on a CPU" in printed
     assert "% of the roofline" not in printed and "n/a (no GPU)" in printed

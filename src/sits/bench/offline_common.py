@@ -183,9 +183,8 @@ def roofline_lines(roofline: dict[str, Any]) -> list[str]:
     achieved_flops = roofline["achieved_flops_s"] or 0.0
     if not roofline.get("on_gpu", True):
         return [
-            f"Roofline ({roofline['label']}, {roofline['num_steps']} steps): not computed, "
-            f"this run is not on a GPU (the roofline against {hw['name']} applies to the GPU "
-            f"only);",
+            f"Roofline ({roofline['label']}, {roofline['num_steps']} steps): not computed on "
+            f"a CPU; it compares GPU runs with the {hw['name']}'s bandwidth and matmul rate.",
             f"  per step: {roofline['bytes_per_step'] / 1e9:.3f} GB read, "
             f"{roofline['flops_per_step'] / 1e9:.2f} GFLOP",
         ]

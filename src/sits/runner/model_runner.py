@@ -127,11 +127,13 @@ class ModelRunner:
         )
         self.kv_cache_bytes = bytes_per_block * self.num_blocks + fixed_bytes
         logger.info(
-            "KV cache dtype %s: %d blocks of %d bytes (%d tokens each)",
+            "KV cache dtype %s: %d blocks of %d bytes (%d tokens each; block 0 is the null "
+            "block, %d hold requests' KV)",
             self._kv_dtype_name(),
             self.num_blocks,
             bytes_per_block,
             self.block_size,
+            self.num_blocks - 1,
         )
         self.num_host_blocks = num_host_blocks(config.cpu_offload_gb, bytes_per_block)
         self.host_kv: HostKVTier | None = None
