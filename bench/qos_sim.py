@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import random
 import statistics
 import sys
@@ -41,6 +42,37 @@ def parse_curve(text: str) -> list[tuple[int, float]]:
     points = sorted((int(r), float(ms) / 1e3) for r, ms in (p.split(":") for p in text.split(",")))
     if len(points) < 2:
         raise ValueError(f"a cost curve needs at least two ROWS:MS points, got {text!r}")
+    return points
+
+
+def padded_rows(token_counts: list[int], buckets: list[int], batch_sizes: list[int]) -> int:
+    """Rows the H200's runner runs for a step of these per-request token counts: a decode-only
+    step (every count 1) pads to the decode-graph batch sizes, any other step to the
+    mixed-step token buckets (the largest of either when past it)."""
+    num_tokens = sum(token_counts)
+    sizes = batch_sizes if all(n == 1 for n in token_counts) else buckets
+    return sizes[min(bisect.bisect_left(sizes, num_tokens), len(sizes) - 1)]
+
+
+def curve_from_steps(
+    path: str, buckets: list[int], batch_sizes: list[int], min_steps: int = 5
+) -> list[tuple[int, float]]:
+    """A cost curve from a recording of live steps (`SITS_STEP_SHAPES_FILE`: one JSON object
+    per step with "runner_ms" and "reqs", [start, tokens] per request): the median runner
+    seconds of the steps of each padded row count seen at least `min_steps` times.
+
+    Raises:
+        ValueError: fewer than two row counts have enough steps.
+    """
+    by_rows: dict[int, list[float]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            step = json.loads(line)
+            rows = padded_rows([n for _, n in step["reqs"]], buckets, batch_sizes)
+            by_rows.setdefault(rows, []).append(step["runner_ms"] / 1e3)
+    points = sorted((r, statistics.median(v)) for r, v in by_rows.items() if len(v) >= min_steps)
+    if len(points) < 2:
+        raise ValueError(f"{path}: fewer than two row counts with {min_steps} steps or more")
     return points
 
 
@@ -86,11 +118,8 @@ class _ModelledRunner:
             if self.clock is not None:
                 self.clock.now_s += max(self.host_s, 1e-3)  # time passes all the same
             return StepResult()
-        num_tokens = sum(sr.num_tokens for sr in plan.scheduled)
-        sizes = (
-            self.batch_sizes if all(sr.num_tokens == 1 for sr in plan.scheduled) else self.buckets
-        )
-        rows = sizes[min(bisect.bisect_left(sizes, num_tokens), len(sizes) - 1)]
+        rows = padded_rows([sr.num_tokens for sr in plan.scheduled], self.buckets,
+                           self.batch_sizes)  # fmt: skip
         self.rows += rows
         cost_s = self.base_s + self.per_row_s * rows
         if self.curve is not None:
@@ -125,6 +154,10 @@ def _run_mode(mode: str, args) -> dict:
     buckets = mixed_token_buckets(config.max_num_batched_tokens)
     core.pacer.token_buckets = tuple(buckets)  # as the H200's runner reports them
     curve = parse_curve(args.cost_curve) if args.cost_curve else None
+    if args.cost_from_steps:
+        curve = curve_from_steps(args.cost_from_steps, buckets, graph_batch_sizes(256))
+        print(f"[{mode}] cost curve from {args.cost_from_steps}: --cost-curve "
+              + ",".join(f"{r}:{s * 1e3:.2f}" for r, s in curve))  # fmt: skip
     clock = VirtualClock() if args.host_ms is not None else None
     host_s = (args.host_ms or 0.0) / 1e3
     runner = _ModelledRunner(core.runner, args.step_base_ms / 1e3, args.per_row_us / 1e6,
@@ -231,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         "256:23.4,768:32.45,1280:40.22,2048:47.5",
     )
     p.add_argument(
+        "--cost-from-steps",
+        default=None,
+        metavar="FILE",
+        help="the cost curve from a recording of live steps (SITS_STEP_SHAPES_FILE, e.g. "
+        "gpu_check's steps-qos.jsonl): median runner ms per padded row count",
+    )
+    p.add_argument(
         "--host-ms",
         type=float,
         default=None,
@@ -239,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
     args = p.parse_args(argv)
+    if args.cost_curve and args.cost_from_steps:
+        p.error("give --cost-curve or --cost-from-steps, not both")
     print("Command:", " ".join(sys.argv))
     results = {mode: _run_mode(mode, args) for mode in args.modes.split(",")}
     print("| mode | steps | ms/step | out tok/s | rows/step | schedule ms | update ms "

@@ -4,6 +4,7 @@ base + per-row time; a short run of both modes prints the table and the ratio.""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,18 @@ def test_the_virtual_clock_gives_the_same_figures_twice(capsys) -> None:
         assert module.main(args) == 0
         outs.append(capsys.readouterr().out.split("\n", 1)[1])  # after the command line
     assert outs[0] == outs[1] and "output throughput QoS / FCFS" in outs[0]
+
+
+def test_a_cost_curve_from_recorded_steps_takes_medians_by_padded_rows(tmp_path) -> None:
+    module = _module()
+    steps = tmp_path / "steps.jsonl"
+    lines = [
+        *[{"runner_ms": ms, "reqs": [[512, 1]] * 3} for ms in (4.0, 5.0, 9.0)],  # batch 4
+        *[{"runner_ms": ms, "reqs": [[512, 1], [0, 500]]} for ms in (30.0, 31.0, 33.0)],  # 512
+        *[{"runner_ms": ms, "reqs": [[0, 600]]} for ms in (40.0, 41.0)],  # 640: too few steps
+    ]
+    steps.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curve = module.curve_from_steps(str(steps), [64, 512, 640], [1, 2, 4, 8], min_steps=3)
+    assert curve == [(4, 0.005), (512, 0.031)]
+    with pytest.raises(ValueError, match="fewer than two row counts"):
+        module.curve_from_steps(str(steps), [64, 512, 640], [1, 2, 4, 8], min_steps=4)
