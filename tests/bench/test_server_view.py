@@ -14,6 +14,11 @@ sits:tenant_time_to_first_token_seconds_sum{model_name="m",tenant="gold"} 1.2
 sits:tenant_time_to_first_token_seconds_bucket{le="+Inf",model_name="m",tenant="burst"} 0.0
 sits:tenant_time_to_first_token_seconds_count{model_name="m",tenant="burst"} 0.0
 sits:tenant_time_to_first_token_seconds_sum{model_name="m",tenant="burst"} 0.0
+# HELP sits:tenant_http_time_to_first_token_seconds From receipt.
+# TYPE sits:tenant_http_time_to_first_token_seconds histogram
+sits:tenant_http_time_to_first_token_seconds_bucket{le="+Inf",model_name="m",tenant="gold"} 4.0
+sits:tenant_http_time_to_first_token_seconds_count{model_name="m",tenant="gold"} 4.0
+sits:tenant_http_time_to_first_token_seconds_sum{model_name="m",tenant="gold"} 1.6
 # HELP sits:tenant_slo_requests Requests measured against the tenant's SLO (by slo: ttft, tpot).
 # TYPE sits:tenant_slo_requests counter
 sits:tenant_slo_requests_total{model_name="m",slo="ttft",tenant="gold"} 4.0
@@ -35,10 +40,11 @@ def test_summary_reads_each_tenants_ttft_and_attainment_and_the_queue_time() -> 
     gold, burst = view.tenants["gold"], view.tenants["burst"]
     assert (gold.ttft_count, round(gold.ttft_mean_s, 6), gold.ttft_met_pct) == (4, 0.3, 75.0)
     assert (burst.ttft_count, burst.ttft_mean_s, burst.ttft_met_pct) == (0, None, None)
+    assert (round(gold.http_ttft_mean_s, 6), burst.http_ttft_mean_s) == (0.4, None)
     assert round(view.queue_mean_s, 6) == 0.05
     assert format_view(view, "qos") == (
         "[qos] server view: burst TTFT mean - (0 requests); gold TTFT mean 300.0 ms, met "
-        "75.0 % (4 requests); engine queue time mean 50.0 ms"
+        "75.0 % (4 requests), from receipt 400.0 ms; engine queue time mean 50.0 ms"
     )
 
 

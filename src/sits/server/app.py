@@ -25,6 +25,7 @@ from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos_headers import QosHeadersMiddleware
+from sits.server.received import ReceivedAtMiddleware
 from sits.server.routes import api_router, ops_router
 from sits.server.serving_common import count_invalid_body
 from sits.server.tracing import TracingMiddleware
@@ -86,8 +87,9 @@ def build_app(
     app.state.ctx = ctx
     install_error_handlers(app, on_invalid_body=count_invalid_body)
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
-    if ctx.tracer is not None:  # outermost: sees every status and ends after the stream
+    if ctx.tracer is not None:  # sees every status and ends after the stream
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
+    app.add_middleware(ReceivedAtMiddleware)  # outermost: stamps the receipt time first
     app.include_router(ops_router)
     app.include_router(api_router)
     app.include_router(admin_router)

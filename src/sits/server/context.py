@@ -194,9 +194,11 @@ class ServerContext:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        received_s: float | None = None,
     ) -> GenerationJob:
         """A job of `tenant` for `prompts` with a fresh request id `prefix-<hex>` and metrics
-        attached; its prefix-cache namespace is `ServerQos.cache_salt(tenant, cache_salt)`."""
+        attached; its prefix-cache namespace is `ServerQos.cache_salt(tenant, cache_salt)`;
+        `received_s`: the HTTP request's receipt (`server.received.received_at`)."""
         return GenerationJob(
             self.engine,
             f"{prefix}-{uuid.uuid4().hex}",
@@ -204,6 +206,6 @@ class ServerContext:
             tenant_id=tenant.id,
             priority=priority,
             cache_salt=self.qos.cache_salt(tenant, cache_salt),
-            make_observer=lambda prompt: self.metrics.recorder(prompt, tenant),
+            make_observer=lambda prompt: self.metrics.recorder(prompt, tenant, received_s),
             audit=self.audit,
         )

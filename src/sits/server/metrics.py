@@ -361,9 +361,15 @@ class ServerMetrics:
             registry=reg,
         )
 
-    def recorder(self, prompt: EnginePrompt, tenant: TenantConfig | None = None) -> RequestRecorder:
-        """An observer recording one engine request's outputs (for `tenant` too, if given)."""
-        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n, tenant)
+    def recorder(
+        self,
+        prompt: EnginePrompt,
+        tenant: TenantConfig | None = None,
+        received_s: float | None = None,
+    ) -> RequestRecorder:
+        """An observer recording one engine request's outputs (for `tenant` too, if given;
+        `received_s`: the HTTP request's receipt, time.monotonic() seconds)."""
+        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n, tenant, received_s)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -371,7 +377,12 @@ class ServerMetrics:
 
 
 class RequestRecorder(OutputObserver):
-    """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples)."""
+    """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples).
+
+    With a tenant and `received_s` (the HTTP request's receipt, time.monotonic() seconds,
+    `server.received`), the first token's arrival here also gives the tenant's TTFT from
+    receipt.
+    """
 
     def __init__(
         self,
@@ -379,10 +390,12 @@ class RequestRecorder(OutputObserver):
         num_prompt_tokens: int,
         num_samples: int,
         tenant: TenantConfig | None = None,
+        received_s: float | None = None,
     ) -> None:
         self.m = metrics
         self.t = metrics.tenants if tenant is not None else None
         self.tenant = tenant
+        self.received_s = received_s
         self.num_prompt_tokens = num_prompt_tokens
         self.num_samples = num_samples
         self.saw_output = False
@@ -445,6 +458,8 @@ class RequestRecorder(OutputObserver):
             self.m.ttft.labels(self.m.model_name).observe(ttft_s)
             if self.t is not None:
                 self.t.observe_ttft(self.tenant, ttft_s)
+                if self.received_s is not None:
+                    self.t.observe_http_ttft(self.tenant, time.monotonic() - self.received_s)
         # The engine's metrics object may already reflect later steps when an output is read,
         # so the gap between outputs is timed here, when each one arrives.
         now = time.monotonic()

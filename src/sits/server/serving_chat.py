@@ -45,6 +45,7 @@ from sits.server.protocol_chat import (
     ChatStreamChoice,
     DeltaMessage,
 )
+from sits.server.received import received_at
 from sits.server.serving_common import (
     Item,
     PromptResult,
@@ -254,7 +255,12 @@ async def create_chat_completion(
         check_chat_request(req)
         prompts.append(build_chat_prompt(req, ctx, tenant.max_tokens_per_request))
         return ctx.new_job(
-            "chatcmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
+            "chatcmpl",
+            prompts,
+            tenant,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            received_s=received_at(raw),
         )
 
     ticket, qos, job = await start_request(ctx, raw, prepare)

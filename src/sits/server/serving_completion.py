@@ -41,6 +41,7 @@ from sits.server.protocol_completion import (
     CompletionStreamChoice,
     CompletionStreamResponse,
 )
+from sits.server.received import received_at
 from sits.server.serving_common import (
     Item,
     PromptResult,
@@ -273,7 +274,12 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         base = completion_sampling_params(req, req.max_tokens)
         prompts.extend(build_prompts(req, ctx, base, tenant.max_tokens_per_request))
         return ctx.new_job(
-            "cmpl", prompts, tenant, priority=req.priority, cache_salt=req.cache_salt
+            "cmpl",
+            prompts,
+            tenant,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            received_s=received_at(raw),
         )
 
     ticket, qos, job = await start_request(ctx, raw, prepare)

@@ -6,8 +6,11 @@ takes configured tenant ids (a bounded set), and every other label a fixed set o
   `sits:tenant_requests_total{tenant, outcome}` (outcome: ok, 400, 404, 429, 503, error,
   abort; a body refused before the handler runs counts as 400),
   `sits:tenant_prompt_tokens_total`, `sits:tenant_generation_tokens_total`,
-  `sits:tenant_time_to_first_token_seconds` and `sits:tenant_time_per_output_token_seconds`
-  (histograms), `sits:tenant_slo_requests_total{tenant, slo}` and
+  `sits:tenant_time_to_first_token_seconds` (from the hand-off to the engine; the SLO
+  counters use it), `sits:tenant_http_time_to_first_token_seconds` (from the HTTP request's
+  receipt, `server.received`, to its first token in the HTTP process) and
+  `sits:tenant_time_per_output_token_seconds` (histograms),
+  `sits:tenant_slo_requests_total{tenant, slo}` and
   `sits:tenant_slo_met_total{tenant, slo}` (slo: ttft, tpot; attainment = met / requests;
   a request counts only for the SLOs its tenant has);
 - read at scrape time (`QosCollector`): from the engine's per-tenant stats
@@ -85,6 +88,14 @@ class TenantMetrics:
             buckets=_TTFT_BUCKETS_S,
             registry=registry,
         )
+        self.http_ttft = Histogram(
+            "sits:tenant_http_time_to_first_token_seconds",
+            "Time from the HTTP request's receipt to its first token in the HTTP process "
+            "(parsing, tokenization and admission included) per engine request.",
+            labels,
+            buckets=_TTFT_BUCKETS_S,
+            registry=registry,
+        )
         self.tpot = Histogram(
             "sits:tenant_time_per_output_token_seconds",
             "Mean time per output token after the first, per sample.",
@@ -131,6 +142,10 @@ class TenantMetrics:
         """Record a TTFT (seconds) and, when the tenant has a TTFT SLO, whether it was met."""
         self.ttft.labels(self.model_name, tenant.id).observe(ttft_s)
         self._slo(tenant.id, "ttft", tenant.ttft_ms, ttft_s)
+
+    def observe_http_ttft(self, tenant: TenantConfig, ttft_s: float) -> None:
+        """Record a TTFT (seconds) measured from the HTTP request's receipt."""
+        self.http_ttft.labels(self.model_name, tenant.id).observe(ttft_s)
 
     def observe_tpot(self, tenant: TenantConfig, tpot_s: float) -> None:
         """Record a sample's mean TPOT (seconds) and whether it met the tenant's TPOT SLO."""
