@@ -210,9 +210,9 @@ def test_per_tenant_metrics_and_slo_attainment(live) -> None:
     http_ttft = "sits:tenant_http_time_to_first_token_seconds"
     assert value(f"{http_ttft}_count", tenant="slo-met") == 2
     assert value(f"{http_ttft}_count", tenant="slo-tpot") == 1  # one engine request, n=2
-    for tenant in ("slo-met", "slo-miss", "slo-tpot"):
-        engine_s = value("sits:tenant_time_to_first_token_seconds_sum", tenant=tenant)
-        assert value(f"{http_ttft}_sum", tenant=tenant) > engine_s > 0
+    for tenant_id in ("slo-met", "slo-miss", "slo-tpot"):
+        engine_s = value("sits:tenant_time_to_first_token_seconds_sum", tenant=tenant_id)
+        assert value(f"{http_ttft}_sum", tenant=tenant_id) > engine_s > 0
     assert value("sits:tenant_time_per_output_token_seconds_count", tenant="slo-tpot") == 2
     total_blocks = live.engine.stats().num_total_blocks
     assert total_blocks > 100
