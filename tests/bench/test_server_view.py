@@ -43,8 +43,9 @@ def test_summary_reads_each_tenants_ttft_and_attainment_and_the_queue_time() -> 
     assert (round(gold.http_ttft_mean_s, 6), burst.http_ttft_mean_s) == (0.4, None)
     assert round(view.queue_mean_s, 6) == 0.05
     assert format_view(view, "qos") == (
-        "[qos] server view: burst TTFT mean - (0 requests); gold TTFT mean 300.0 ms, met "
-        "75.0 % (4 requests), from receipt 400.0 ms; engine queue time mean 50.0 ms"
+        "[qos] server view: burst TTFT mean - from hand-off (0 requests); gold TTFT mean "
+        "300.0 ms from hand-off, 400.0 ms from receipt, SLO met 75.0 % (4 requests); engine "
+        "queue time mean 50.0 ms"
     )
 
 

@@ -321,3 +321,22 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
         with pytest.raises(InvalidParameterError) as err:
             OverloadThresholds(backlog_shed_factor=bad)
         assert err.value.param == "backlog_shed_factor"
+
+
+def test_the_ttft_slo_is_judged_on_the_ttft_from_the_http_receipt() -> None:
+    registry = CollectorRegistry()
+    metrics = TenantMetrics(registry, "m", TENANTS)
+    gold = TENANTS.get("gold")  # TTFT SLO 1 s
+    metrics.observe_ttft(gold, 0.4, 1.3)  # the engine's 0.4 s meets it; 1.3 s from receipt not
+    metrics.observe_ttft(gold, 0.4, 0.9)
+    metrics.observe_ttft(gold, 0.4)  # no receipt time (not over HTTP): judged on the engine's
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"model_name": "m", "tenant": "gold", **labels})
+
+    assert value("sits:tenant_slo_requests_total", slo="ttft") == 3
+    assert value("sits:tenant_slo_met_total", slo="ttft") == 2
+    assert value("sits:tenant_time_to_first_token_seconds_count") == 3
+    assert value("sits:tenant_time_to_first_token_seconds_sum") == pytest.approx(1.2)
+    assert value("sits:tenant_http_time_to_first_token_seconds_count") == 2
+    assert value("sits:tenant_http_time_to_first_token_seconds_sum") == pytest.approx(2.2)

@@ -36,8 +36,8 @@ class TenantView:
     Attributes:
         ttft_count: engine requests with a first token.
         ttft_mean_s: their mean TTFT from hand-off to the engine (seconds), None if none.
-        ttft_met_pct: % of the requests measured against its TTFT SLO that met it (None
-            without an SLO or without requests).
+        ttft_met_pct: % of the requests measured against its TTFT SLO that met it, judged
+            by the server on the TTFT from receipt (None without an SLO or without requests).
         http_ttft_mean_s: their mean TTFT from the HTTP request's receipt (seconds), None if
             the server does not report it.
     """
@@ -110,18 +110,20 @@ def summarize(text: str) -> ServerView:
 
 
 def format_view(view: ServerView, mode: str) -> str:
-    """One line per tenant, e.g. `[qos] server view: gold TTFT mean 84.1 ms, met 100.0 % (1388
-    requests), from receipt 95.3 ms; engine queue time mean 12.0 ms`."""
+    """One line per tenant, e.g. `[qos] server view: gold TTFT mean 84.1 ms from hand-off,
+    95.3 ms from receipt, SLO met 100.0 % (1388 requests); engine queue time mean 12.0 ms`."""
     parts = []
     for tenant, t in view.tenants.items():
         mean = "-" if t.ttft_mean_s is None else f"{t.ttft_mean_s * 1e3:.1f} ms"
-        met = "" if t.ttft_met_pct is None else f", met {t.ttft_met_pct:.1f} %"
         http = (
             ""
             if t.http_ttft_mean_s is None
-            else f", from receipt {t.http_ttft_mean_s * 1e3:.1f} ms"
+            else f", {t.http_ttft_mean_s * 1e3:.1f} ms from receipt"
         )
-        parts.append(f"{tenant} TTFT mean {mean}{met} ({t.ttft_count} requests){http}")
+        met = "" if t.ttft_met_pct is None else f", SLO met {t.ttft_met_pct:.1f} %"
+        parts.append(
+            f"{tenant} TTFT mean {mean} from hand-off{http}{met} ({t.ttft_count} requests)"
+        )
     queue = "-" if view.queue_mean_s is None else f"{view.queue_mean_s * 1e3:.1f} ms"
     body = "; ".join(parts) if parts else "no tenant TTFTs"
     return f"[{mode}] server view: {body}; engine queue time mean {queue}"

@@ -457,9 +457,9 @@ class RequestRecorder(OutputObserver):
             ttft_s = max(metrics.first_token_time - metrics.arrival_time, 0.0)
             self.m.ttft.labels(self.m.model_name).observe(ttft_s)
             if self.t is not None:
-                self.t.observe_ttft(self.tenant, ttft_s)
-                if self.received_s is not None:
-                    self.t.observe_http_ttft(self.tenant, time.monotonic() - self.received_s)
+                received_s = self.received_s
+                http_ttft_s = None if received_s is None else time.monotonic() - received_s
+                self.t.observe_ttft(self.tenant, ttft_s, http_ttft_s)
         # The engine's metrics object may already reflect later steps when an output is read,
         # so the gap between outputs is timed here, when each one arrives.
         now = time.monotonic()

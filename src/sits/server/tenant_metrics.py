@@ -6,9 +6,10 @@ takes configured tenant ids (a bounded set), and every other label a fixed set o
   `sits:tenant_requests_total{tenant, outcome}` (outcome: ok, 400, 404, 429, 503, error,
   abort; a body refused before the handler runs counts as 400),
   `sits:tenant_prompt_tokens_total`, `sits:tenant_generation_tokens_total`,
-  `sits:tenant_time_to_first_token_seconds` (from the hand-off to the engine; the SLO
-  counters use it), `sits:tenant_http_time_to_first_token_seconds` (from the HTTP request's
-  receipt, `server.received`, to its first token in the HTTP process) and
+  `sits:tenant_time_to_first_token_seconds` (from the hand-off to the engine),
+  `sits:tenant_http_time_to_first_token_seconds` (from the HTTP request's receipt,
+  `server.received`, to its first token in the HTTP process; the TTFT SLO counters use it,
+  or the engine's TTFT for a request without a receipt time) and
   `sits:tenant_time_per_output_token_seconds` (histograms),
   `sits:tenant_slo_requests_total{tenant, slo}` and
   `sits:tenant_slo_met_total{tenant, slo}` (slo: ttft, tpot; attainment = met / requests;
@@ -138,14 +139,17 @@ class TenantMetrics:
         adds to it on every token: `labels()` per token cost ~1 us each)."""
         return self.generation_tokens.labels(self.model_name, tenant_id)
 
-    def observe_ttft(self, tenant: TenantConfig, ttft_s: float) -> None:
-        """Record a TTFT (seconds) and, when the tenant has a TTFT SLO, whether it was met."""
+    def observe_ttft(
+        self, tenant: TenantConfig, ttft_s: float, http_ttft_s: float | None = None
+    ) -> None:
+        """Record a TTFT from the hand-off to the engine (seconds) and, when given, the TTFT
+        from the HTTP request's receipt; when the tenant has a TTFT SLO, whether it was met,
+        judged on the TTFT from receipt when there is one (what the client waits for, the
+        network aside), else on the engine's."""
         self.ttft.labels(self.model_name, tenant.id).observe(ttft_s)
-        self._slo(tenant.id, "ttft", tenant.ttft_ms, ttft_s)
-
-    def observe_http_ttft(self, tenant: TenantConfig, ttft_s: float) -> None:
-        """Record a TTFT (seconds) measured from the HTTP request's receipt."""
-        self.http_ttft.labels(self.model_name, tenant.id).observe(ttft_s)
+        if http_ttft_s is not None:
+            self.http_ttft.labels(self.model_name, tenant.id).observe(http_ttft_s)
+        self._slo(tenant.id, "ttft", tenant.ttft_ms, ttft_s if http_ttft_s is None else http_ttft_s)
 
     def observe_tpot(self, tenant: TenantConfig, tpot_s: float) -> None:
         """Record a sample's mean TPOT (seconds) and whether it met the tenant's TPOT SLO."""
