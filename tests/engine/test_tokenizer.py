@@ -179,3 +179,25 @@ def test_a_text_longer_than_the_model_encodes_without_transformers_warning(caplo
         expected = AutoTokenizer.from_pretrained(demo_dir).encode(text)
     assert ids == expected and len(ids) > tok.hf_tokenizer.model_max_length
     assert warned == [] and "sequence length is longer" in caplog.text
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_bos", "demo"])
+def test_decode_equals_transformers_decode_without_clean_up(which, tok_dir, bos_dir) -> None:
+    """The Rust-backend fast path gives what transformers' decode gives, special tokens and
+    split multi-byte characters included, with and without skip_special_tokens."""
+    import random
+
+    source = {"tiny": tok_dir, "tiny_bos": bos_dir}.get(which)
+    source = source or Path(sits.__file__).parent / "demo_model"
+    tok = Tokenizer(source)
+    hf = AutoTokenizer.from_pretrained(source)
+    assert tok._backend is not None  # the fast path is the one under test
+    rng = random.Random(0)
+    specials = [i for i in (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) if i is not None]
+    windows = [tok.encode(TEXT, add_special_tokens=False)[i : i + 5] for i in range(0, 30, 3)]
+    windows += [[rng.randrange(hf.vocab_size) for _ in range(rng.randint(1, 8))] + specials
+                for _ in range(50)]  # fmt: skip
+    for ids in windows:
+        for skip in (True, False):
+            expected = hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert tok.decode(ids, skip_special_tokens=skip) == expected, (ids, skip)

@@ -7,7 +7,10 @@ with sits errors. Invariants:
   tokens, so a template that writes BOS itself yields exactly one BOS (case C12); its length is
   what transformers' `apply_chat_template(tokenize=True)` gives (case C11).
 - `decode` never applies `clean_up_tokenization_spaces`, so the incremental detokenizer (which
-  decodes windows of tokens) and a whole-sequence decode agree.
+  decodes windows of tokens) and a whole-sequence decode agree. With a fast tokenizer it calls
+  the Rust backend (`backend_tokenizer.decode`) directly: that is what transformers' decode
+  does without the clean-up, less its Python wrapper (0.8 against 2.7 us per call on the demo
+  tokenizer; the detokenizer decodes twice per streamed token).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Tokenizer:
         if isinstance(source, str | os.PathLike):
             source = _load_hf_tokenizer(os.fspath(source))
         self._hf = source
+        self._backend = _rust_backend(source)
         self._token_text_cache: dict[int, str] = {}
         self._max_token_chars: int | None = None
 
@@ -96,6 +100,8 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids` (no clean-up of spaces; invalid UTF-8 becomes U+FFFD)."""
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(
             list(token_ids),
             skip_special_tokens=skip_special_tokens,
@@ -187,3 +193,13 @@ def _load_hf_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"no loadable tokenizer in {path!r}: {exc}") from exc
+
+
+def _rust_backend(hf_tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a fast transformers tokenizer, else None."""
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+    except ImportError:
+        return None
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, RustTokenizer) else None
