@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import random
 import statistics
 import sys
@@ -64,12 +63,12 @@ def curve_from_steps(
     Raises:
         ValueError: fewer than two row counts have enough steps.
     """
+    from sits.engine.step_shapes import read_step_shapes
+
     by_rows: dict[int, list[float]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            step = json.loads(line)
-            rows = padded_rows([n for _, n in step["reqs"]], buckets, batch_sizes)
-            by_rows.setdefault(rows, []).append(step["runner_ms"] / 1e3)
+    for step in read_step_shapes(path):
+        rows = padded_rows([n for _, n in step["reqs"]], buckets, batch_sizes)
+        by_rows.setdefault(rows, []).append(step["runner_ms"] / 1e3)
     points = sorted((r, statistics.median(v)) for r, v in by_rows.items() if len(v) >= min_steps)
     if len(points) < 2:
         raise ValueError(f"{path}: fewer than two row counts with {min_steps} steps or more")

@@ -71,7 +71,8 @@ def summarize(text: str) -> ServerView:
     """Read the per-tenant TTFT histogram and SLO counters, and the queue-time histogram."""
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
-    http: dict[str, list[float]] = {}  # tenant -> [sum, count]
+    http_sums: dict[str, float] = {}
+    http_counts: dict[str, float] = {}
     slo_total: dict[str, float] = {}
     slo_met: dict[str, float] = {}
     queue = [0.0, 0.0]  # sum, count
@@ -82,10 +83,10 @@ def summarize(text: str) -> ServerView:
                 sums[tenant] = sums.get(tenant, 0.0) + sample.value
             elif sample.name == f"{_TTFT}_count" and tenant:
                 counts[tenant] = counts.get(tenant, 0.0) + sample.value
-            elif sample.name.startswith(_HTTP_TTFT) and tenant:
-                slot = {"_sum": 0, "_count": 1}.get(sample.name[len(_HTTP_TTFT) :])
-                if slot is not None:
-                    http.setdefault(tenant, [0.0, 0.0])[slot] += sample.value
+            elif sample.name == f"{_HTTP_TTFT}_sum" and tenant:
+                http_sums[tenant] = http_sums.get(tenant, 0.0) + sample.value
+            elif sample.name == f"{_HTTP_TTFT}_count" and tenant:
+                http_counts[tenant] = http_counts.get(tenant, 0.0) + sample.value
             elif sample.labels.get("slo") == "ttft" and tenant:
                 if sample.name == f"{_SLO_REQUESTS}_total":
                     slo_total[tenant] = slo_total.get(tenant, 0.0) + sample.value
@@ -99,12 +100,12 @@ def summarize(text: str) -> ServerView:
     for tenant in sorted(set(counts) | set(slo_total)):
         count = int(counts.get(tenant, 0))
         total = slo_total.get(tenant, 0.0)
-        http_sum, http_count = http.get(tenant, (0.0, 0.0))
+        http_count = http_counts.get(tenant, 0.0)
         view.tenants[tenant] = TenantView(
             ttft_count=count,
             ttft_mean_s=sums.get(tenant, 0.0) / count if count else None,
             ttft_met_pct=100.0 * slo_met.get(tenant, 0.0) / total if total else None,
-            http_ttft_mean_s=http_sum / http_count if http_count else None,
+            http_ttft_mean_s=http_sums.get(tenant, 0.0) / http_count if http_count else None,
         )
     return view
 

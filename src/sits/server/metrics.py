@@ -452,17 +452,17 @@ class RequestRecorder(OutputObserver):
         metrics = output.metrics
         if metrics is None:
             return
+        # The engine's metrics object may already reflect later steps when an output is read,
+        # so the gap between outputs (and the TTFT from receipt) is timed here, on arrival.
+        now = time.monotonic()
         if not self.saw_first_token and metrics.first_token_time is not None:
             self.saw_first_token = True
             ttft_s = max(metrics.first_token_time - metrics.arrival_time, 0.0)
             self.m.ttft.labels(self.m.model_name).observe(ttft_s)
             if self.t is not None:
                 received_s = self.received_s
-                http_ttft_s = None if received_s is None else time.monotonic() - received_s
+                http_ttft_s = None if received_s is None else now - received_s
                 self.t.observe_ttft(self.tenant, ttft_s, http_ttft_s)
-        # The engine's metrics object may already reflect later steps when an output is read,
-        # so the gap between outputs is timed here, when each one arrives.
-        now = time.monotonic()
         if self.last_token_time is not None:
             self._itl.observe(now - self.last_token_time)
         self.last_token_time = now
