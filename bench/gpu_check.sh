@@ -166,8 +166,13 @@ if has kv_host; then
 fi
 if has qos || has qos_fcfs || has loop; then
   if ! python3 -c "import fastapi, uvicorn, pydantic, opentelemetry.sdk" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    # lanes (bench/gpu_lanes.sh) share /tmp/site: the first installs, the others wait on the
+    # lock and then find it installed (two pips at once fail on each other's files)
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    lock=(); command -v flock >/dev/null && lock=(flock /tmp/site.lock)
+    "${lock[@]}" bash -c 'python3 -c "import fastapi, uvicorn, pydantic, opentelemetry.sdk" \
+      2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl'
   fi
   # Qwen3-30B-A3B shape with the demo tokenizer's vocabulary, so every token has text.
   qos_dir=$(python3 - <<'PY'
@@ -199,6 +204,15 @@ if has qos || has qos_fcfs; then
   fi
   run qos_calibrate python3 bench/qos/calibrate.py "$OUT_DIR/qos_capacity.json" \
     bench/qos/mix.toml "$OUT_DIR/qos_mix.toml" ${QOS_DURATION:+--duration-s "$QOS_DURATION"}
+  # the kernel's listen-queue drops (a request that waited there is late before the server
+  # sees it): TcpExt counters before and after each half, with the limits that bound them
+  echo "ulimit -n $(ulimit -n); somaxconn $(cat /proc/sys/net/core/somaxconn 2>/dev/null);" \
+    "tcp_max_syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog 2>/dev/null)"
+  tcp_drops() {
+    awk '/^TcpExt:/ { if (!seen) { split($0, name); seen = 1 } else { for (i = 2; i <= NF; i++)
+      if (name[i] ~ /^(ListenOverflows|ListenDrops|TCPBacklogDrop|TCPReqQFullDrop)$/)
+        printf "%s=%s ", name[i], $i } } END { print "" }' /proc/net/netstat 2>/dev/null
+  }
   modes=()
   has qos && modes+=(qos)
   has qos_fcfs && modes+=(fcfs)
@@ -208,10 +222,12 @@ if has qos || has qos_fcfs; then
     # PROFILE_STEPS=START:COUNT: torch.profiler's table of those server steps (profile-MODE.txt)
     [[ -n "${PROFILE_STEPS:-}" ]] && export SITS_PROFILE_STEPS="$PROFILE_STEPS" \
       SITS_PROFILE_FILE="$OUT_DIR/profile-$mode.txt"
+    echo "TCP drops before $mode: $(tcp_drops)"
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
       --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
       ${QOS_BENCH_ARGS---client-procs=4}
+    echo "TCP drops after $mode: $(tcp_drops)"
     unset SITS_STEP_SHAPES_FILE SITS_PROFILE_STEPS SITS_PROFILE_FILE
   done
 fi

@@ -8,6 +8,7 @@ send a chunk for it); a chat chunk whose delta carries only the role, and a usag
 (no choices), are not token chunks. Timing, on `time.perf_counter`:
 - TTFT: send -> first token chunk; ITL: each gap between consecutive token chunks;
 - E2E: send -> end of stream (`[DONE]`), or -> the failure;
+- connect, sent: send -> TCP connection up, send -> request body written (httpcore's trace);
 - output tokens: `usage.completion_tokens` of the last usage seen, else the token chunks.
 Any failure (HTTP status != 200, an error event in the stream, a stream cut before `[DONE]`,
 a connection error or timeout, unparsable data) is recorded in the `RequestRecord`, never
@@ -179,8 +180,17 @@ async def send_streaming(
     """
     t0 = time.perf_counter()
     record.start_s = t0 - run_start_s
+
+    async def trace(event: str, info: dict[str, Any]) -> None:  # httpcore's trace extension
+        if event == "connection.connect_tcp.complete":
+            record.connect_s = time.perf_counter() - t0
+        elif event == "http11.send_request_body.complete":
+            record.sent_s = time.perf_counter() - t0
+
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
+        async with client.stream(
+            "POST", url, json=body, headers=headers, extensions={"trace": trace}
+        ) as response:
             record.status = response.status_code
             if response.status_code != 200:
                 record.error = error_message(await response.aread())

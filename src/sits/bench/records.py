@@ -35,6 +35,10 @@ class RequestRecord:
         ttft_s: time to the first content chunk, from `start_s`; None if none came.
         e2e_s: time to the end of the stream (or to the failure), from `start_s`.
         itl_s: gaps between consecutive content chunks, in seconds.
+        connect_s: time to the TCP connection's establishment (httpx's trace), from `start_s`;
+            None when none was made. A long one with a short server-side TTFT means the
+            request waited in the server's accept queue, not in its engine.
+        sent_s: time until the request's body was written, from `start_s`; None if never.
     """
 
     index: int
@@ -54,6 +58,8 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    connect_s: float | None = None
+    sent_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -88,5 +94,7 @@ class RequestRecord:
             "ttft_ms": ms(self.ttft_s),
             "tpot_ms": ms(tpot),
             "e2e_ms": ms(self.e2e_s),
+            "connect_ms": ms(self.connect_s),
+            "sent_ms": ms(self.sent_s),
             "itl_ms": [ms(gap) for gap in self.itl_s],
         }

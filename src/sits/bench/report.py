@@ -15,6 +15,7 @@ The printed report is rendered from the JSON document, so both always agree. Sch
               "summary": Summary}],
  "totals": Summary,
  "client_loop_lag_ms": {"p50", "p99", "max"} or null (the client's own event-loop lag),
+ "client_connect_ms": {"p50", "p99", "max"} or null (send -> TCP connection up),
  "requests": [RequestRecord.to_json()]}
 ```
 `Summary` is `sits.bench.metrics.Summary.to_json()`. API keys are never written.
@@ -34,6 +35,7 @@ from typing import Any
 
 from sits.bench.metrics import summarize, summarize_by_tenant
 from sits.bench.runner import RunResult
+from sits.bench.sender import lag_summary
 from sits.bench.workload import TenantLoad
 
 SCHEMA = "sits.bench.serve/1"
@@ -128,6 +130,9 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
         ],
         "totals": summarize(result.records, result.duration_s).to_json(),
         "client_loop_lag_ms": result.client_loop_lag_ms,
+        "client_connect_ms": lag_summary(
+            [r.connect_s * 1e3 for r in result.records if r.connect_s is not None]
+        ),
         "requests": [r.to_json() for r in result.records],
     }
 
@@ -183,6 +188,7 @@ def format_totals(doc: dict[str, Any]) -> list[str]:
          f"{fmt(t['tpot_attainment_pct'], 1)} / {fmt(t['slo_attainment_pct'], 1)}"),
         ("Goodput (req/s)", fmt(t["goodput"])),
         ("Client loop lag p50/p99/max (ms)", _lag_cell(doc.get("client_loop_lag_ms"))),
+        ("Client connect p50/p99/max (ms)", _lag_cell(doc.get("client_connect_ms"))),
     ]  # fmt: skip
     lines = [" Serving Benchmark Result ".center(72, "=")]
     lines += [f"{label + ':':<36}{value}" for label, value in rows]

@@ -78,7 +78,7 @@ class LoopLagProbe:
 
 
 def lag_summary(lags_ms: list[float]) -> dict[str, float] | None:
-    """p50, p99 and max (ms) of lag samples, or None without samples."""
+    """p50, p99 and max (ms) of samples in ms (loop lags, connect times), or None without any."""
     lags = sorted(lags_ms)
     if not lags:
         return None
