@@ -29,6 +29,8 @@
 #            (default --client-procs=4: one client process lags behind a QoS flood)
 #            STEP_SHAPES=1 records every step's shape of each half (steps-MODE.jsonl);
 #            PROFILE_STEPS=START:COUNT profiles those steps of each half (profile-MODE.txt)
+#            each half also logs the kernel's listen-queue drops and samples the accept
+#            queues (listen-queue-MODE.txt: connections waiting for the server to accept)
 #   qos_fcfs the same mix's FCFS half alone (run it in another lane beside qos; combine the
 #            two JSONs with python3 bench/qos/combine.py)
 #   replay   replays those recorded steps on the device alone, kernel by kernel
@@ -223,10 +225,14 @@ if has qos || has qos_fcfs; then
     [[ -n "${PROFILE_STEPS:-}" ]] && export SITS_PROFILE_STEPS="$PROFILE_STEPS" \
       SITS_PROFILE_FILE="$OUT_DIR/profile-$mode.txt"
     echo "TCP drops before $mode: $(tcp_drops)"
+    # accept-queue lengths through the half (all listening ports; the server's is in its log)
+    python3 bench/qos/listen_queue.py --out "$OUT_DIR/listen-queue-$mode.txt" &
+    sampler=$!
     run "qos_target_$mode" sits bench qos --model "$qos_dir" --tenants bench/qos/tenants.toml \
       --modes "$mode" --serve-args "$serve_args" --tenants-mix "$OUT_DIR/qos_mix.toml" \
       --ignore-eos --log-dir "$OUT_DIR/qos-logs" --result-json "$OUT_DIR/qos_$mode.json" \
       ${QOS_BENCH_ARGS---client-procs=4}
+    kill -TERM "$sampler" && wait "$sampler"
     echo "TCP drops after $mode: $(tcp_drops)"
     unset SITS_STEP_SHAPES_FILE SITS_PROFILE_STEPS SITS_PROFILE_FILE
   done

@@ -68,6 +68,7 @@ def test_serve_benchmark_counts_and_timings(live, tmp_path: Path, capsys, client
         assert len(r["itl_ms"]) == r["num_chunks"] - 1
         assert r["start_ms"] >= r["arrival_ms"]  # sent at (not before) its time from t = 0
         assert 0 < r["connect_ms"] <= r["sent_ms"] <= r["ttft_ms"]  # one new connection each
+        assert 0 <= r["processing_ms"] <= r["ttft_ms"] - r["sent_ms"] + 1  # whole ms, rounded down
     assert [t["name"] for t in doc["tenants"]] == ["default"]
     connect = doc["client_connect_ms"]
     assert connect["max"] == pytest.approx(max(r["connect_ms"] for r in doc["requests"]), abs=1e-3)
@@ -77,6 +78,11 @@ def test_serve_benchmark_counts_and_timings(live, tmp_path: Path, capsys, client
     assert "Serving Benchmark Result" in printed and "Goodput (req/s)" in printed
     assert "Client loop lag p50/p99/max (ms)" in printed
     assert "Client connect p50/p99/max (ms)" in printed
+    outside = doc["ttft_outside_server_ms"]
+    assert outside["max"] == pytest.approx(
+        max(r["ttft_ms"] - r["processing_ms"] for r in doc["requests"]), abs=2e-3
+    )
+    assert "TTFT outside server p50/p99/max (ms)" in printed
 
 
 def test_tenants_mix_on_chat_with_text_prompts(live, tmp_path: Path) -> None:

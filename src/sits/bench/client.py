@@ -9,6 +9,7 @@ send a chunk for it); a chat chunk whose delta carries only the role, and a usag
 - TTFT: send -> first token chunk; ITL: each gap between consecutive token chunks;
 - E2E: send -> end of stream (`[DONE]`), or -> the failure;
 - connect, sent: send -> TCP connection up, send -> request body written (httpcore's trace);
+- processing: the server's `openai-processing-ms` header, where it sends one;
 - output tokens: `usage.completion_tokens` of the last usage seen, else the token chunks.
 Any failure (HTTP status != 200, an error event in the stream, a stream cut before `[DONE]`,
 a connection error or timeout, unparsable data) is recorded in the `RequestRecord`, never
@@ -33,6 +34,15 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
 _MAX_ERROR_CHARS = 300
 HTTP_LOGGERS = ("httpx", "httpcore")
+PROCESSING_MS_HEADER = "openai-processing-ms"  # OpenAI's and sits': receipt -> response start
+
+
+def _processing_s(value: str | None) -> float | None:
+    """The `openai-processing-ms` header in seconds; None when absent or not a number."""
+    try:
+        return float(value) / 1000.0 if value is not None else None
+    except ValueError:
+        return None
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -192,6 +202,7 @@ async def send_streaming(
             "POST", url, json=body, headers=headers, extensions={"trace": trace}
         ) as response:
             record.status = response.status_code
+            record.processing_s = _processing_s(response.headers.get(PROCESSING_MS_HEADER))
             if response.status_code != 200:
                 record.error = error_message(await response.aread())
             else:

@@ -39,6 +39,8 @@ class RequestRecord:
             None when none was made. A long one with a short server-side TTFT means the
             request waited in the server's accept queue, not in its engine.
         sent_s: time until the request's body was written, from `start_s`; None if never.
+        processing_s: the server's `openai-processing-ms` header (receipt -> response start:
+            the TTFT from receipt for a sits stream); None when the server sent none.
     """
 
     index: int
@@ -60,6 +62,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     connect_s: float | None = None
     sent_s: float | None = None
+    processing_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -70,6 +73,15 @@ class RequestRecord:
         if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def ttft_outside_server_s(self) -> float | None:
+        """TTFT - the server's processing time (seconds): what the request and its first
+        bytes spent outside the server's app (connect, listen queue, network, this client).
+        None unless both are known."""
+        if self.ttft_s is None or self.processing_s is None:
+            return None
+        return self.ttft_s - self.processing_s
 
     def to_json(self) -> dict[str, Any]:
         """The record as plain JSON values (times in milliseconds, like the summaries)."""
@@ -96,5 +108,6 @@ class RequestRecord:
             "e2e_ms": ms(self.e2e_s),
             "connect_ms": ms(self.connect_s),
             "sent_ms": ms(self.sent_s),
+            "processing_ms": ms(self.processing_s),
             "itl_ms": [ms(gap) for gap in self.itl_s],
         }

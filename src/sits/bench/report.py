@@ -16,6 +16,8 @@ The printed report is rendered from the JSON document, so both always agree. Sch
  "totals": Summary,
  "client_loop_lag_ms": {"p50", "p99", "max"} or null (the client's own event-loop lag),
  "client_connect_ms": {"p50", "p99", "max"} or null (send -> TCP connection up),
+ "ttft_outside_server_ms": {"p50", "p99", "max"} or null (TTFT - the server's
+     `openai-processing-ms`: connect, listen queue, network and client),
  "requests": [RequestRecord.to_json()]}
 ```
 `Summary` is `sits.bench.metrics.Summary.to_json()`. API keys are never written.
@@ -133,6 +135,9 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
         "client_connect_ms": lag_summary(
             [r.connect_s * 1e3 for r in result.records if r.connect_s is not None]
         ),
+        "ttft_outside_server_ms": lag_summary(
+            [t * 1e3 for r in result.records if (t := r.ttft_outside_server_s) is not None]
+        ),
         "requests": [r.to_json() for r in result.records],
     }
 
@@ -189,6 +194,7 @@ def format_totals(doc: dict[str, Any]) -> list[str]:
         ("Goodput (req/s)", fmt(t["goodput"])),
         ("Client loop lag p50/p99/max (ms)", _lag_cell(doc.get("client_loop_lag_ms"))),
         ("Client connect p50/p99/max (ms)", _lag_cell(doc.get("client_connect_ms"))),
+        ("TTFT outside server p50/p99/max (ms)", _lag_cell(doc.get("ttft_outside_server_ms"))),
     ]  # fmt: skip
     lines = [" Serving Benchmark Result ".center(72, "=")]
     lines += [f"{label + ':':<36}{value}" for label, value in rows]
