@@ -42,6 +42,7 @@ from sits.core.errors import EngineDeadError, SitsError
 from sits.core.request import Request
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
+from sits.engine.delivery import BatchedDelivery
 from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
@@ -166,6 +167,7 @@ class AsyncLLM(RequestFrontEnd):
         self.errored = False
         self.dead_error: BaseException | None = None
         self._processor = OutputProcessor(self.tokenizer)
+        self._delivery = BatchedDelivery()
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False

@@ -39,6 +39,7 @@ from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError
 from sits.engine.async_llm import EngineStats
 from sits.engine.core import PrefillChunk
+from sits.engine.delivery import BatchedDelivery
 from sits.engine.engine_proc import PackedError, run_engine_proc, unpack_error
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
@@ -126,6 +127,7 @@ class AsyncMPLLM(RequestFrontEnd):
             raise
         self.max_model_len = self.info.max_model_len
         self._processor = OutputProcessor(self.tokenizer)
+        self._delivery = BatchedDelivery()
         self._heartbeat_s = time.monotonic()
         self._writer = threading.Thread(target=self._write_loop, name="sits-engine-writer")
         self._writer.daemon = True

@@ -4,9 +4,10 @@
 only in how a command reaches the engine (`_send`) and how outputs come back; both keep the
 tokenizer and the `OutputProcessor` (detokenization) on the asyncio side. This base holds
 what is the same: `generate` (one asyncio queue per request), `abort`, delivering a step's
-outputs and failing requests. Invariants: every request that leaves `generate` unfinished
-(client gone, task cancelled) is aborted through `_send(("finish", ...))`; `_deliver`,
-`_fail_request` and `_fail_all` run on the asyncio loop only.
+outputs (`BatchedDelivery`: a batch per event-loop iteration) and failing requests.
+Invariants: every request that leaves `generate` unfinished (client gone, task cancelled) is
+aborted through `_send(("finish", ...))`; `_deliver`, `_fail_request` and `_fail_all` run on
+the asyncio loop only.
 
 Commands a subclass's engine side must accept (tuples, first item the kind):
 ("add", request_id, children), ("finish", child_ids, FinishReason, stop_reason).
@@ -25,6 +26,7 @@ from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.request import FinishReason, Request
 from sits.core.sampling_params import SamplingParams
+from sits.engine.delivery import BatchedDelivery
 from sits.engine.health import hung_loop_error
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
@@ -50,8 +52,9 @@ def tier_values(tiers: frozenset[TenantTier]) -> tuple[str, ...]:
 class RequestFrontEnd:
     """Base of the asyncio front ends (see the module docstring).
 
-    Subclasses set `config`, `info`, `max_model_len`, `dead_error`, `_processor` and `_loop`,
-    and define `is_healthy()` and `_send(command)`; they may override `_check_requests`.
+    Subclasses set `config`, `info`, `max_model_len`, `dead_error`, `_processor`, `_delivery`
+    and `_loop`, and define `is_healthy()` and `_send(command)`; they may override
+    `_check_requests`.
     """
 
     config: EngineConfig
@@ -61,6 +64,7 @@ class RequestFrontEnd:
     health_timeout_s: float
     step_timeout_s: float
     _processor: OutputProcessor
+    _delivery: BatchedDelivery
     _loop: asyncio.AbstractEventLoop | None
 
     def is_healthy(self) -> bool:  # pragma: no cover - defined by subclasses
@@ -176,8 +180,7 @@ class RequestFrontEnd:
         processed = self._processor.process(outputs)
         for child_id, stop_str in processed.stop_requests:
             self._send(("finish", [child_id], FinishReason.STOP, stop_str))
-        for sink, out in processed.request_outputs:
-            sink.put_nowait(out)
+        self._delivery.put(processed.request_outputs)  # a batch per loop iteration
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         sink = self._processor.sink_of(request_id)
@@ -185,6 +188,7 @@ class RequestFrontEnd:
         if open_ids:
             self._send(("finish", open_ids, FinishReason.ABORT, None))
         if sink is not None:
+            self._delivery.flush()  # the outputs made before the error arrive before it
             sink.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
