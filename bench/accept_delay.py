@@ -9,9 +9,11 @@ plain GET until its response. The peer rows hand a whole step over at once (batc
 
 uvloop accepts one connection per poll of the loop (libuv/libuv#3696); asyncio's loop accepts
 up to 100. With iterations longer than the gap between connections, uvloop's accept queue
-grows for as long as the load lasts. Needs uvloop for its rows (`pip install uvloop`).
+grows for as long as the load lasts. Runs in sits' virtualenv (it imports sits and httpx);
+the uvloop rows need `pip install uvloop` and are marked "not installed" without it.
 
-Usage: python3 bench/accept_delay.py [--work-us 95] [--loops uvloop asyncio] [--batches 400 32]
+Usage: python3 bench/accept_delay.py [--work-us 95] [--loops uvloop asyncio]
+           [--batches 400 64] [--result-json PATH]
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
+import platform
 import shlex
 import socket
 import subprocess
@@ -118,31 +122,47 @@ def measure(args: argparse.Namespace, loop: str, batch: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--rate", type=float, default=100.0, help="new connections a second")
-    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--requests", type=int, default=500, help="requests sent per row")
     parser.add_argument("--streams", type=int, default=400, help="queues woken each step")
     parser.add_argument("--work-us", type=float, default=95.0, help="each woken task's work")
     parser.add_argument("--step-ms", type=float, default=40.0, help="time between steps")
-    parser.add_argument("--loops", nargs="+", default=["uvloop", "asyncio"])
-    parser.add_argument("--batches", nargs="+", type=int, default=None,
-                        help="items per loop iteration (default: streams, then sits' "
-                             "DELIVERY_BATCH)")  # fmt: skip
+    parser.add_argument(
+        "--loops",
+        nargs="+",
+        default=["uvloop", "asyncio"],
+        choices=["uvloop", "asyncio"],
+        help="event loops to measure",
+    )
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        type=int,
+        default=None,
+        help=f"items per loop iteration; None: --streams, then DELIVERY_BATCH = {DELIVERY_BATCH}",
+    )
+    parser.add_argument("--result-json", type=Path, default=None, help="write the rows as JSON")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--loop-impl", default="asyncio", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve, args.loop_impl, args.batch, args.streams, args.work_us * 1e-6,
               args.step_ms * 1e-3)  # fmt: skip
         return
     print("Command: python3 " + shlex.join(sys.argv))
+    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")  # fmt: skip
     busy = args.streams * args.work_us / 1e3
     print(f"{args.streams} streams x {args.work_us:g} us every {args.step_ms:g} ms "
           f"({busy:.0f} ms of work a step); {args.requests} new connections at "
           f"{args.rate:g}/s")  # fmt: skip
     print("| loop | handed over per iteration | p50 ms | p99 ms | max ms |")
     print("|---|---|---|---|---|")
+    rows = []
     for loop in args.loops:
         if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             print("| uvloop | (not installed) | - | - | - |")
@@ -150,7 +170,13 @@ def main() -> None:
         for batch in args.batches or [args.streams, DELIVERY_BATCH]:
             lat = measure(args, loop, batch)
             p50, p99 = lat[len(lat) // 2], lat[min(int(0.99 * len(lat)), len(lat) - 1)]
+            rows.append({"loop": loop, "batch": batch, "p50_ms": p50 * 1e3,
+                         "p99_ms": p99 * 1e3, "max_ms": lat[-1] * 1e3})  # fmt: skip
             print(f"| {loop} | {batch} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {lat[-1] * 1e3:.1f} |")
+    if args.result_json is not None:
+        config = {k: v for k, v in vars(args).items() if k not in ("serve", "loop_impl", "batch")}
+        doc = {"command": shlex.join(sys.argv), "config": config, "rows": rows}
+        args.result_json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -285,6 +285,8 @@ def test_content_parts_are_joined(client, server, model_name) -> None:
 def test_health_and_metrics_are_up(server) -> None:
     with server.http() as http:
         assert http.get("/health").status_code == 200
+        head = http.head("/health")
+        assert (head.status_code, head.content) == (200, b"")
         text = http.get("/metrics").text
     assert "sits:num_requests_running" in text and "sits:kv_cache_usage_perc" in text
 

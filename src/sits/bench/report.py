@@ -197,7 +197,7 @@ def format_totals(doc: dict[str, Any]) -> list[str]:
         ("TTFT outside server p50/p99/max (ms)", _lag_cell(doc.get("ttft_outside_server_ms"))),
     ]  # fmt: skip
     lines = [" Serving Benchmark Result ".center(72, "=")]
-    lines += [f"{label + ':':<36}{value}" for label, value in rows]
+    lines += [f"{label + ':':<40}{value}" for label, value in rows]
     lines.append(f"{'(ms)':<10}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}")
     for label, key in _LAT_KEYS:
         d = t[key]

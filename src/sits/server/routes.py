@@ -51,9 +51,10 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
         raise RequestValidationError(errors) from exc
 
 
-@ops_router.get("/health")
+@ops_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
-    """200 while the engine is alive and stepping; 503 when it is not or while draining."""
+    """200 while the engine is alive and stepping; 503 when it is not or while draining.
+    HEAD answers the same status without a body (load balancers that probe with HEAD)."""
     lifecycle = _ctx(request).lifecycle
     if lifecycle.draining:
         return error_response(draining_error())
