@@ -36,8 +36,9 @@ class RequestRecord:
         e2e_s: time to the end of the stream (or to the failure), from `start_s`.
         itl_s: gaps between consecutive content chunks, in seconds.
         connect_s: time to the TCP connection's establishment (httpx's trace), from `start_s`;
-            None when none was made. A long one with a short server-side TTFT means the
-            request waited in the server's accept queue, not in its engine.
+            None when none was made. The kernel completes the handshake before the server
+            accepts, so a wait in the accept queue shows in `ttft_outside_server_s`, not here
+            (only an overflowing queue, through SYN retries, makes connect slow).
         sent_s: time until the request's body was written, from `start_s`; None if never.
         processing_s: the server's `openai-processing-ms` header (receipt -> response start:
             the TTFT from receipt for a sits stream); None when the server sent none.
