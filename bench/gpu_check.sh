@@ -4,7 +4,8 @@
 # short table at the end. Logs and JSON figures go to $OUT (or /tmp/sits-gpu-check).
 # Usage (repo root, on the GPU machine): bash bench/gpu_check.sh [SECTION ...]
 #   sections: tests micro e2e targets (default: tests micro e2e)
-#   tests    all gpu-marked tests (kernels, sampling, models, layers, runner)
+#   tests    all gpu-marked tests (kernels, sampling, models, layers, runner); the kernel
+#            tests alone took 5.6 min: give this section a lane of its own
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
