@@ -71,6 +71,23 @@ def test_flush_hands_over_everything_now() -> None:
     asyncio.run(main())
 
 
+def test_a_backlog_left_by_an_ended_loop_is_drained_by_the_next() -> None:
+    queue: asyncio.Queue = asyncio.Queue()
+    delivery = BatchedDelivery(batch=1)
+
+    async def put(items: list[int], iterations: int) -> None:
+        delivery.put([(queue, i) for i in items])
+        for _ in range(iterations):
+            await asyncio.sleep(0)
+
+    first = asyncio.new_event_loop()
+    first.run_until_complete(put([0, 1, 2, 3], 0))  # stops with a drain scheduled on it
+    first.close()
+    assert (queue.qsize(), len(delivery)) == (2, 2)
+    asyncio.run(put([4], 5))  # a new loop takes the backlog over
+    assert [queue.get_nowait() for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
 def test_outside_a_loop_everything_goes_at_once() -> None:
     queue: asyncio.Queue = asyncio.Queue()
     BatchedDelivery(batch=1).put([(queue, i) for i in range(3)])

@@ -51,7 +51,7 @@ class BatchedDelivery:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self.batch = batch
         self._pending: deque[tuple[asyncio.Queue, Any]] = deque()
-        self._scheduled = False
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None  # loop of the next drain
 
     def __len__(self) -> int:
         """Pairs not handed over yet."""
@@ -59,9 +59,11 @@ class BatchedDelivery:
 
     def put(self, items: Iterable[tuple[asyncio.Queue, Any]]) -> None:
         """Queue `items` behind the backlog and hand over the first batch now; the rest follow
-        one batch per loop iteration. Outside a running loop everything goes at once."""
+        one batch per loop iteration. Outside a running loop everything goes at once. A drain
+        left scheduled on another loop (one `asyncio.run` ended with a backlog) is taken over
+        by this one."""
         self._pending.extend(items)
-        if not self._scheduled:
+        if self._scheduled_on is None or self._scheduled_on is not _running_loop():
             self._drain()
 
     def flush(self) -> None:
@@ -71,10 +73,9 @@ class BatchedDelivery:
             queue.put_nowait(item)
 
     def _drain(self) -> None:
-        self._scheduled = False
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
+        self._scheduled_on = None
+        loop = _running_loop()
+        if loop is None:
             self.flush()
             return
         pending = self._pending
@@ -82,5 +83,12 @@ class BatchedDelivery:
             queue, item = pending.popleft()
             queue.put_nowait(item)
         if pending:
-            self._scheduled = True
+            self._scheduled_on = loop
             loop.call_soon(self._drain)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
