@@ -211,18 +211,28 @@ def format_totals(doc: dict[str, Any]) -> list[str]:
 _TENANT_COLUMNS = (
     ("tenant", 14), ("sent", 6), ("ok", 6), ("429", 5), ("503", 5), ("other", 6),
     ("TTFT%", 7), ("TPOT%", 7), ("both%", 7), ("goodput", 8), ("out tok/s", 10),
-    ("TTFT p50", 9), ("TTFT p99", 9), ("TPOT p50", 9), ("TPOT p99", 9),
+    ("TTFT p50", 9), ("TTFT p99", 9), ("TPOT p50", 9), ("TPOT p99", 9), ("out p99", 9),
 )  # fmt: skip
 
 
-def tenant_row(name: str, s: dict[str, Any]) -> list[str]:
-    """One per-tenant table row from a Summary's JSON."""
+def outside_server_p99_ms(requests: list[dict[str, Any]]) -> float | None:
+    """p99 (nearest rank) of TTFT minus the server's `openai-processing-ms` over `requests`
+    (JSON records); None when no record has both."""
+    gaps = [r["ttft_ms"] - r["processing_ms"] for r in requests
+            if r.get("ttft_ms") is not None and r.get("processing_ms") is not None]  # fmt: skip
+    summary = lag_summary(gaps)
+    return None if summary is None else summary["p99"]
+
+
+def tenant_row(name: str, s: dict[str, Any], out_p99_ms: float | None = None) -> list[str]:
+    """One per-tenant table row from a Summary's JSON, and the p99 of its requests' TTFT
+    outside the server (`outside_server_p99_ms`)."""
     return [
         name, str(s["num_requests"]), str(s["completed"]), str(s["failed_429"]),
         str(s["failed_503"]), str(s["failed_other"]), fmt(s["ttft_attainment_pct"], 1),
         fmt(s["tpot_attainment_pct"], 1), fmt(s["slo_attainment_pct"], 1), fmt(s["goodput"]),
         fmt(s["output_throughput"], 1), fmt(s["ttft_ms"]["p50"], 1), fmt(s["ttft_ms"]["p99"], 1),
-        fmt(s["tpot_ms"]["p50"], 1), fmt(s["tpot_ms"]["p99"], 1),
+        fmt(s["tpot_ms"]["p50"], 1), fmt(s["tpot_ms"]["p99"], 1), fmt(out_p99_ms, 1),
     ]  # fmt: skip
 
 
@@ -232,11 +242,17 @@ def format_tenants(doc: dict[str, Any]) -> list[str]:
     header = "".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}"
                      for i, (name, w) in enumerate(_TENANT_COLUMNS))  # fmt: skip
     lines = [
-        " Per tenant (attainment % of requests sent; latencies in ms) ".center(72, "-"),
+        " Per tenant (attainment % of requests sent; latencies in ms; out: TTFT outside "
+        "the server) ".center(72, "-"),
         header,
     ]
-    rows = [tenant_row(t["name"], t["summary"]) for t in doc["tenants"]]
-    rows.append(tenant_row("TOTAL", doc["totals"]))
+    requests = doc.get("requests", [])
+    rows = [
+        tenant_row(t["name"], t["summary"],
+                   outside_server_p99_ms([r for r in requests if r["tenant"] == t["name"]]))
+        for t in doc["tenants"]
+    ]  # fmt: skip
+    rows.append(tenant_row("TOTAL", doc["totals"], outside_server_p99_ms(requests)))
     for row in rows:
         cells = [f"{row[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(row[1:], widths[1:])]
         lines.append("".join(cells))
