@@ -31,8 +31,8 @@ from typing import Any
 # so an iteration stays within ~6 ms. On a CPU (bench/accept_delay.py: 400 streams x 95 us
 # every 40 ms, 100 new connections a second, uvloop) new requests waited 16.0 ms at the median
 # with 64 a batch, 9.7 ms with 32 and 1,965 ms with the whole step at once; the HTTP process's
-# CPU per streamed token (the demo model, 200 streams) was 85 us with 64, 86-87 us with the
-# whole step and 91-98 us with 32.
+# CPU per streamed token (bench/http_cpu.sh: the demo model, 200 streams) was 85 us with 64,
+# 86-87 us with the whole step and 91-98 us with 32.
 DELIVERY_BATCH = 64
 
 
