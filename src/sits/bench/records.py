@@ -37,7 +37,8 @@ class RequestRecord:
         itl_s: gaps between consecutive content chunks, in seconds.
         connect_s: time to the TCP connection's establishment (httpx's trace), from `start_s`;
             None when none was made. The kernel completes the handshake before the server
-            accepts, so a wait in the accept queue shows in `ttft_outside_server_s`, not here
+            accepts, so a wait in the accept queue shows in the report's TTFT outside the server
+            (`sits.bench.report.outside_server_ms`), not here
             (only an overflowing queue, through SYN retries, makes connect slow).
         sent_s: time until the request's body was written, from `start_s`; None if never.
         processing_s: the server's `openai-processing-ms` header (receipt -> response start:
@@ -74,15 +75,6 @@ class RequestRecord:
         if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-    @property
-    def ttft_outside_server_s(self) -> float | None:
-        """TTFT - the server's processing time (seconds): what the request and its first
-        bytes spent outside the server's app (connect, listen queue, network, this client).
-        None unless both are known."""
-        if self.ttft_s is None or self.processing_s is None:
-            return None
-        return self.ttft_s - self.processing_s
 
     def to_json(self) -> dict[str, Any]:
         """The record as plain JSON values (times in milliseconds, like the summaries)."""

@@ -103,6 +103,7 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
     config = result.config
     names = [t.name for t in config.tenants]
     per_tenant = summarize_by_tenant(result.records, result.duration_s, names)
+    requests = [r.to_json() for r in result.records]
     date = datetime.datetime.fromtimestamp(result.started_at_unix_s, datetime.UTC)
     return {
         "schema": SCHEMA,
@@ -133,12 +134,10 @@ def build_result(result: RunResult, command: str, machine: dict[str, Any]) -> di
         "totals": summarize(result.records, result.duration_s).to_json(),
         "client_loop_lag_ms": result.client_loop_lag_ms,
         "client_connect_ms": lag_summary(
-            [r.connect_s * 1e3 for r in result.records if r.connect_s is not None]
+            [r["connect_ms"] for r in requests if r["connect_ms"] is not None]
         ),
-        "ttft_outside_server_ms": lag_summary(
-            [t * 1e3 for r in result.records if (t := r.ttft_outside_server_s) is not None]
-        ),
-        "requests": [r.to_json() for r in result.records],
+        "ttft_outside_server_ms": outside_server_ms(requests),
+        "requests": requests,
     }
 
 
@@ -215,12 +214,19 @@ _TENANT_COLUMNS = (
 )  # fmt: skip
 
 
+def outside_server_ms(requests: list[dict[str, Any]]) -> dict[str, float] | None:
+    """p50, p99 and max (nearest rank) of TTFT minus the server's `openai-processing-ms` over
+    `requests` (JSON records): what the request and its first bytes spent outside the server's
+    app (connect, the accept queue, the network, the client). None when no record has both."""
+    known = [
+        r for r in requests if r.get("ttft_ms") is not None and r.get("processing_ms") is not None
+    ]
+    return lag_summary([r["ttft_ms"] - r["processing_ms"] for r in known])
+
+
 def outside_server_p99_ms(requests: list[dict[str, Any]]) -> float | None:
-    """p99 (nearest rank) of TTFT minus the server's `openai-processing-ms` over `requests`
-    (JSON records); None when no record has both."""
-    gaps = [r["ttft_ms"] - r["processing_ms"] for r in requests
-            if r.get("ttft_ms") is not None and r.get("processing_ms") is not None]  # fmt: skip
-    summary = lag_summary(gaps)
+    """The p99 of `outside_server_ms`, None when it is None."""
+    summary = outside_server_ms(requests)
     return None if summary is None else summary["p99"]
 
 
