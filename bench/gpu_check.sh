@@ -9,6 +9,10 @@
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
+#   decode   the issue-4 qwen3 figures without the peer (batch 10 2048/1024 and batch 1 TPOT,
+#            256 x 512/128 offline) and the decode graphs' kernels at batch 1 and 10, context
+#            2,560 (~4 min); with SITS_SRC=DIR in one lane, an A/B against another source tree
+#   moe_tests  the GPU tests of the MoE routing, kernels, expert slots and spares (~2 min)
 #   sweep    mixed steps as a paced server runs them (240 decodes at context 576 + chunks of
 #            512), 768-2,048 tokens: replayed step us and each top kernel's us per size (~2 min)
 #   moe_ab   the same sweep (1,024-2,048 tokens) with the shipped MoE configs and with those of
@@ -48,7 +52,9 @@
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# SITS_SRC: the package's source tree to run (default src/), e.g. an older commit's
+# (`git archive COMMIT src | tar -x -C .ab`, carried) for an A/B in lanes
+export PYTHONPATH="${SITS_SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-/tmp/sits-gpu-check}"
 mkdir -p "$OUT_DIR"
 SECTIONS="${*:-tests micro e2e}"
@@ -74,6 +80,26 @@ if has tests; then
     tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py \
     tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py \
     tests/engine/test_expert_spares_gpu.py
+fi
+if has decode; then
+  run decode_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
+    --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
+    --output-json "$OUT_DIR/decode_qwen3_b10.json"
+  run decode_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
+    --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 \
+    --output-json "$OUT_DIR/decode_qwen3_b1.json"
+  run decode_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
+    --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
+    --output-json "$OUT_DIR/decode_qwen3_offline.json"
+  run decode_profile python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
+    --batch-sizes 1 10 --context 2560 --prefill-tokens 512 --top 24
+fi
+if has moe_tests; then
+  run moe_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+    tests/kernels/test_moe_triton.py tests/kernels/test_moe_triton_gpu.py \
+    tests/kernels/test_moe_routing_triton.py tests/kernels/test_moe_routing_triton_gpu.py \
+    tests/layers/test_expert_slots_gpu.py tests/engine/test_expert_spares_gpu.py \
+    tests/engine/test_gpu_runner.py
 fi
 if has steps; then
   for budget in 2048 8192; do

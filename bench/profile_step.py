@@ -1,5 +1,5 @@
-"""Where a step's time goes: CUDA kernel times of one eager decode step and one prefill step
-(torch.profiler), the CUDA-graph decode step time, and the host time around it; with
+"""Where a step's time goes: CUDA kernel times of one decode step as its CUDA graph replays and
+of one eager prefill step (torch.profiler), the graph and eager decode step times; with
 `--mixed-tokens`, a sweep of mixed steps (a decode batch plus fresh prompt chunks) by step size,
 timed as the server runs them (mixed-step CUDA graphs), with each kernel's time per size.
 
@@ -8,7 +8,8 @@ Usage (GPU machine, repo root):
         --batch-sizes 1 10 64 --prefill-tokens 2048
 
 Prints, per case, the top kernels by total CUDA time (name, calls, total us, % of the step)
-and a summary line: graph replay us, eager us, sum of kernel us, host us per step.
+and a summary table: graph replay us, eager us and the sum of kernel us per case (for decode,
+the kernels of the graph replay; decode tokens are random, so the batch routes as a real one).
 
     PYTHONPATH=src python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
         --mixed-tokens 768 1024 1152 1280 1536 2048 --mixed-decodes 240 --context 576
@@ -58,15 +59,21 @@ def _llm(
     )
 
 
-def _decode_plan(batch_size: int, context: int, block_size: int, first_block: int):
+def _decode_plan(batch_size: int, context: int, block_size: int, first_block: int, vocab: int):
+    """`batch_size` one-token sequences at `context` cached tokens, on their own blocks. Token
+    ids are random (seeded): one repeated id would send every sequence to the same experts."""
+    import random
+
     from sits.core.plan import ScheduledRequest, StepPlan
 
+    rng = random.Random(0)
     blocks_per_seq = -(-(context + 1) // block_size)
     scheduled = []
     for i in range(batch_size):
         first = first_block + i * blocks_per_seq
         blocks = list(range(first, first + blocks_per_seq))
-        scheduled.append(ScheduledRequest(f"r{i}", [7], context, blocks, sample=False))
+        token = [rng.randrange(vocab)]
+        scheduled.append(ScheduledRequest(f"r{i}", token, context, blocks, sample=False))
     return StepPlan(scheduled)
 
 
@@ -295,12 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     bs = runner.block_size
     rows = []
     with torch.inference_mode():
+        vocab = runner.model.config.vocab_size
         for batch in args.batch_sizes:
-            plan = _decode_plan(batch, args.context, bs, first_block=1)
+            plan = _decode_plan(batch, args.context, bs, first_block=1, vocab=vocab)
             graph_us = _time_us(_forward_fn(runner, plan))
+            label = f"decode batch {batch}, CUDA graph replay"
+            kernels_us = _kernel_table(_forward_fn(runner, plan), label, args.top)
             graphs, runner.graphs = runner.graphs, None
             eager_us = _time_us(_forward_fn(runner, plan))
-            kernels_us = _kernel_table(_forward_fn(runner, plan), f"decode batch {batch}", args.top)
             runner.graphs = graphs
             rows.append((f"decode b={batch} ctx={args.context}", graph_us, eager_us, kernels_us))
         plan = _prefill_plan(args.prefill_tokens, bs, first_block=1)

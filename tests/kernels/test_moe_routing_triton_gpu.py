@@ -55,6 +55,13 @@ def reference_state(logits, frozen, ids, token_mask) -> ExpertState:
     return state
 
 
+def split_padding(weights, ids, token_mask):
+    """Assert that padding rows go to no expert (ids -1, weights 0); return the real rows."""
+    real = token_mask if token_mask is not None else torch.ones_like(ids[:, 0], dtype=torch.bool)
+    assert (ids[~real] == -1).all() and (weights[~real] == 0).all()
+    return weights[real], ids[real], real
+
+
 def route(logits, frozen, token_mask, renormalize: bool):
     """fused_route on fresh counters: (weights, ids, num_tokens, checked)."""
     num_tokens = torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda")
@@ -69,10 +76,11 @@ def test_route_matches_reference(num_tokens: int, renormalize: bool) -> None:
     logits, frozen, token_mask = make_inputs(num_tokens, seed=num_tokens)
     weights, ids, acc, checked = route(logits, frozen, token_mask, renormalize)
     expected_ids = stable_topk_ids(logits, frozen, TOP_K)
-    assert torch.equal(ids, expected_ids)
+    weights, ids, real = split_padding(weights, ids, token_mask)
+    assert torch.equal(ids, expected_ids[real])
     ref_weights, ref_ids = select_experts(logits.masked_fill(frozen, -INF), TOP_K, renormalize)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
-    assert (ids == ref_ids).all(dim=1).float().mean() >= 0.99  # torch.topk: ties aside
+    torch.testing.assert_close(weights, ref_weights[real], rtol=1e-5, atol=1e-7)
+    assert (ids == ref_ids[real]).all(dim=1).float().mean() >= 0.99  # torch.topk: ties aside
     ref = reference_state(logits, frozen, expected_ids, token_mask)
     assert torch.equal(acc, ref.num_tokens) and torch.equal(checked, ref.checked)
     assert int(acc.sum()) == int(token_mask.sum()) * TOP_K
@@ -84,11 +92,12 @@ def test_route_bfloat16_logits_with_ties(num_tokens: int) -> None:
     logits, frozen, token_mask = make_inputs(num_tokens, seed=5, dtype=torch.bfloat16)
     weights, ids, acc, checked = route(logits, frozen, token_mask, renormalize=True)
     expected_ids = stable_topk_ids(logits, frozen, TOP_K)
-    assert torch.equal(ids, expected_ids)
+    weights, ids, real = split_padding(weights, ids, token_mask)
+    assert torch.equal(ids, expected_ids[real])
     probs = torch.softmax(logits.float().masked_fill(frozen, -INF), dim=-1)  # [T, E]
     expected = probs.gather(1, expected_ids)
     expected = expected / expected.sum(dim=-1, keepdim=True)
-    torch.testing.assert_close(weights, expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weights, expected[real], rtol=1e-5, atol=1e-7)
     ref = reference_state(logits, frozen, expected_ids, token_mask)
     assert torch.equal(acc, ref.num_tokens) and torch.equal(checked, ref.checked)
 
@@ -173,9 +182,10 @@ def test_cuda_graph_capture_and_replay() -> None:
         flags[bad] = replay < 3
         graph.replay()
         expected_ids = stable_topk_ids(logits, ref.frozen, TOP_K)
-        assert torch.equal(ids, expected_ids), replay
+        real_weights, real_ids, real = split_padding(weights, ids, token_mask)
+        assert torch.equal(real_ids, expected_ids[real]), replay
         ref_weights, _ = select_experts(logits.masked_fill(ref.frozen, -INF), TOP_K, True)
-        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(real_weights, ref_weights[real], rtol=1e-5, atol=1e-7)
         ref.count(expected_ids, token_mask)
         ref.mark_checked(expected_ids, ref.finite_rows(logits, token_mask))
         ref.anomalous |= flags
@@ -206,7 +216,10 @@ def test_sparse_moe_block_fused_path_equals_torch_path() -> None:
     reference.w2[bad, 5] = NAN
     for step in range(4):
         out, ref_out = fused(hidden, token_mask), reference(hidden, token_mask)
-        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(
+            out[token_mask], ref_out[token_mask], rtol=1e-5, atol=1e-5, equal_nan=True
+        )
+        assert not out[~token_mask].any()  # padding rows: no expert ran, zeros
         got, want = fused.expert_state(), reference.expert_state()
         for name in ("num_tokens", "num_anomalous", "streak", "frozen", "checked", "anomalous"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)

@@ -101,6 +101,39 @@ def test_align_methods_agree_and_are_consistent(num_tokens, num_experts, top_k, 
             assert flat[pair] == experts[row // block_m]
 
 
+@pytest.mark.parametrize("method", ["single", "chunked", "torch"])
+def test_align_gives_no_row_to_pairs_without_expert(method: str) -> None:
+    # the hand example with token 1 as padding (ids -1): pairs 2 and 3 get no row
+    ids = torch.tensor([[2, 0], [-1, -1], [0, 2]], device=DEVICE)
+    align = align_pairs_to_experts(ids, num_experts=5, block_m=4, method=method)
+    pad = 6
+    expected_rows = [1, 4, pad, pad, 0, 5, pad, pad] + [pad] * 13
+    assert align.sorted_pair_ids.cpu().tolist() == expected_rows
+    assert align.block_expert_ids.cpu().tolist() == [0, 2, -1, -1, -1, -1]
+    assert align.num_padded_rows.cpu().tolist() == [8]
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [(9, 16, 4), (60, 8, 2)])
+def test_align_methods_agree_with_padding_tokens(num_tokens, num_experts, top_k) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    )
+    padding = torch.rand(num_tokens, generator=gen) < 0.4  # [T]
+    ids[padding] = -1
+    ids = ids.to(DEVICE)
+    ours = align_pairs_to_experts(ids, num_experts, 16, method="torch")
+    for method in ("single", "chunked"):
+        other = align_pairs_to_experts(ids, num_experts, 16, method=method)
+        for name in ("sorted_pair_ids", "block_expert_ids", "num_padded_rows"):
+            assert torch.equal(getattr(ours, name), getattr(other, name)), (method, name)
+    rows = ours.sorted_pair_ids.cpu()
+    routed = torch.nonzero(ids.flatten().cpu() >= 0).flatten().tolist()
+    assert sorted(rows[rows < num_tokens * top_k].tolist()) == routed  # routed pairs, once each
+    counts = torch.bincount(ids[ids >= 0].cpu(), minlength=num_experts)
+    assert int(ours.num_padded_rows) == int(((counts + 15) // 16 * 16).sum())
+
+
 def test_align_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="power of two"):
         align_pairs_to_experts(torch.zeros(1, 1, dtype=torch.long), 2, 24)
@@ -125,6 +158,21 @@ def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, hidden, int
     expected = moe_forward(x, w13, w2, weights, ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert relative_error(out, expected) < 1e-5
+    assert not flags.any()
+
+
+@pytest.mark.parametrize("config", [SMALL, WIDE])
+def test_padding_tokens_without_experts_get_zero_rows(config) -> None:
+    x, w13, w2, weights, ids = make_inputs(10, 8, 2, 32, 32, seed=8)
+    padding = torch.tensor([False] * 7 + [True] * 3, device=DEVICE)  # decode 7 padded to 10
+    ids[padding], weights[padding] = -1, 0.0
+    flags = torch.zeros(8, dtype=torch.bool, device=DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, config, flags)
+    expected = moe_forward(x, w13, w2, weights, ids)
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    assert torch.equal(expected[padding], torch.zeros_like(expected[padding]))
+    real = moe_forward(x[:7], w13, w2, weights[:7], ids[:7])  # the real tokens alone
+    assert relative_error(out[:7], real) < 1e-5
     assert not flags.any()
 
 

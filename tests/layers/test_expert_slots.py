@@ -193,6 +193,7 @@ def test_expert_slots_switch_rules() -> None:
     assert slots.map_ids(torch.tensor([[2, 0]])).tolist() == [[2, 0]]
     assert slots.switch(1, 4) == 1
     assert slots.map_ids(torch.tensor([[1, 2], [0, 1]])).tolist() == [[4, 2], [0, 4]]
+    assert slots.map_ids(torch.tensor([[-1, -1], [2, 1]])).tolist() == [[-1, -1], [2, 4]]
     assert list(slots.free_slots) == [3, 1] and slots.next_free_slot() == 3
     with pytest.raises(ValueError):
         slots.switch(0, 4)  # taken

@@ -3,7 +3,8 @@
 Pair p = t * top_k + j is token t's j-th choice, expert `topk_ids[t, j]`. The alignment lists
 the pairs grouped by expert (experts in id order, pairs of one expert in increasing p), each
 expert's group padded with the sentinel `num_pairs` to a multiple of BLOCK_M, so every block
-of BLOCK_M consecutive rows belongs to one expert.
+of BLOCK_M consecutive rows belongs to one expert. A pair with expert id -1 (a padding token's,
+`moe_routing_triton.fused_route`) goes to no expert: it gets no row.
 
 Invariants:
 - Everything stays on the device and no value is read back to the host: output sizes depend
@@ -144,7 +145,7 @@ def align_single_kernel(
         max_rows, max_blocks, BLOCK_M, EXPERTS, FILL,
     )  # fmt: skip
     pair_start = tl.sum(onehot * padded_start[None, :], axis=1)  # [PAIRS]
-    tl.store(sorted_ptr + pair_start + rank, pairs, mask=valid)
+    tl.store(sorted_ptr + pair_start + rank, pairs, mask=valid & (ids >= 0))
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -218,7 +219,7 @@ def align_place_kernel(
     experts = tl.arange(0, EXPERTS)  # [EXPERTS]
     base = tl.load(expert_start_ptr + experts) + tl.load(hist_ptr + chunk * EXPERTS + experts)
     rows = tl.sum(onehot * base[None, :], axis=1) + rank  # [CHUNK]
-    tl.store(sorted_ptr + rows, pairs, mask=valid)
+    tl.store(sorted_ptr + rows, pairs, mask=valid & (ids >= 0))
 
 
 def _align_torch(
@@ -228,15 +229,23 @@ def _align_torch(
     int32 padded row count."""
     device = flat_ids.device
     num_pairs = flat_ids.shape[0]
+    routed = flat_ids >= 0  # [num_pairs]; id -1: no expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
+    counts.index_add_(0, flat_ids.clamp(min=0), routed.long())  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     shift = (padded_end - padded) - (torch.cumsum(counts, 0) - counts)  # [E] padding before
-    order = torch.argsort(flat_ids, stable=True)  # [num_pairs] pair ids grouped by expert
-    rows = torch.arange(num_pairs, device=device) + shift[flat_ids[order]]  # [num_pairs]
+    keys = torch.where(routed, flat_ids, num_experts)  # unrouted pairs sort last
+    order = torch.argsort(keys, stable=True)  # [num_pairs] pair ids grouped by expert
+    num_routed = routed.sum()  # [] stays on the device
+    ranks = torch.arange(num_pairs, device=device)  # [num_pairs]
+    rows = ranks + shift[keys[order].clamp(max=num_experts - 1)]  # [num_pairs]
+    rows = torch.where(ranks < num_routed, rows, sorted_ids.shape[0])  # unrouted: dropped
     sorted_ids.fill_(num_pairs)
-    sorted_ids.scatter_(0, rows, order.to(torch.int32))
+    spill = torch.empty(sorted_ids.shape[0] + 1, dtype=torch.int32, device=device)
+    spill[:-1] = sorted_ids
+    spill.scatter_(0, rows, order.to(torch.int32))
+    sorted_ids.copy_(spill[:-1])
     first_rows = torch.arange(block_experts.shape[0], device=device) * block_m  # [blocks]
     expert = torch.searchsorted(padded_end, first_rows, right=True)  # [blocks]
     total = padded_end[-1:]  # [1]
@@ -250,7 +259,8 @@ def align_pairs_to_experts(
     """Sort a step's pairs by expert, padded per expert to block_m rows (see module docstring).
 
     Args:
-        topk_ids: [num_tokens, top_k] int32/int64 expert ids in [0, num_experts).
+        topk_ids: [num_tokens, top_k] int32/int64 expert ids in [0, num_experts), or -1 for a
+            pair that goes to no expert (a padding token's).
         num_experts: experts of the layer (E).
         block_m: rows per GEMM block, a power of two (>= 16 for the GEMM kernels).
         method: "single" (one Triton program: small steps), "chunked" (three Triton launches:

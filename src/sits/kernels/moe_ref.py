@@ -80,7 +80,9 @@ def moe_forward(
         w13: [num_experts, 2 * intermediate_size, hidden_size].
         w2: [num_experts, hidden_size, intermediate_size].
         topk_weights: [num_tokens, top_k] float32.
-        topk_ids: [num_tokens, top_k] int64, expert ids in [0, num_experts).
+        topk_ids: [num_tokens, top_k] int64, expert ids in [0, num_experts), or -1 for no
+            expert (a padding token's choices, `moe_routing_triton.fused_route`): skipped, so
+            a token whose ids are all -1 gets a zero row.
         nonfinite_experts: optional [num_experts] bool, set in place for each expert whose
             output holds a non-finite value in a row whose input row was finite (the health
             check of `layers.moe_stats`).
@@ -90,7 +92,9 @@ def moe_forward(
     """
     num_experts = w13.shape[0]
     output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    tokens_per_expert = torch.bincount(topk_ids.flatten(), minlength=num_experts).tolist()
+    routed_ids = topk_ids.flatten()  # [T * k]
+    routed_ids = routed_ids[routed_ids >= 0]
+    tokens_per_expert = torch.bincount(routed_ids, minlength=num_experts).tolist()
     finite_rows = torch.isfinite(hidden).all(dim=-1) if nonfinite_experts is not None else None
     for expert_id, num_expert_tokens in enumerate(tokens_per_expert):
         if num_expert_tokens == 0:

@@ -19,6 +19,11 @@ Invariants:
   of them -inf) gets NaN weights, as in torch, and is routed to its lowest-id unfrozen experts
   (torch picks arbitrary NaN entries, frozen ones included): frozen experts never receive a
   token as long as at least top_k experts are unfrozen (`ExpertState` guarantees it).
+- Padding tokens (`token_mask` False) are routed to no expert: id -1 and weight 0 in every
+  choice, so the experts compute nothing for them (`moe_triton.fused_moe` and
+  `moe_ref.moe_forward` skip id -1; their output rows are zeros). Without this, a decode
+  batch padded to a captured graph size sent its padding rows, which share one input, to k
+  more experts per layer, whose weights the step then read for nothing.
 - Finite-input test: an expert is checked when it receives a real token whose logits row is
   finite over the unfrozen experts. A hidden row holding a NaN or an infinity makes every
   logit of its row non-finite (x_i * w_i is NaN or infinite for w_i != 0 or x_i = NaN, and
@@ -121,13 +126,15 @@ def fused_route_kernel(
         key = tl.where(chosen, KEY_TAKEN, key)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]
+    real = row_in
+    if HAS_MASK:
+        real = real & (tl.load(mask_ptr + rows, mask=row_in, other=0) != 0)
+        weights = tl.where(real[:, None], weights, 0.0)  # padding: no expert, weight 0
+        ids = tl.where(real[:, None], ids, -1)
     out_offsets = rows.to(tl.int64)[:, None] * TOP_K + k_cols  # [BLOCK_T, BLOCK_K]
     out_mask = row_in[:, None] & (k_cols < TOP_K)
     tl.store(weights_ptr + out_offsets, weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, ids.to(tl.int64), mask=out_mask)
-    real = row_in
-    if HAS_MASK:
-        real = real & (tl.load(mask_ptr + rows, mask=row_in, other=0) != 0)
     counts = tl.sum(tl.where(real[:, None], routed, 0), axis=0)  # [BLOCK_E]
     tl.atomic_add(
         num_tokens_ptr + cols, counts.to(tl.int64), mask=col_in & (counts > 0), sem="relaxed"
@@ -156,8 +163,8 @@ def fused_route(
     """Route a step's tokens and update the expert counters, in one launch.
 
     Equals `ExpertState.mask_logits` -> `moe_ref.select_experts` -> `ExpertState.count` ->
-    `ExpertState.mark_checked` (see the module docstring for the order of equal values and
-    for non-finite rows).
+    `ExpertState.mark_checked` on real tokens (see the module docstring for the order of
+    equal values, for non-finite rows and for padding tokens).
 
     Args:
         router_logits: [num_tokens, num_experts] float32, float16 or bfloat16 (read as
@@ -168,13 +175,13 @@ def fused_route(
         num_tokens_acc: [num_experts] int64, += routed (token, expert) pairs of real tokens.
         checked: [num_experts] bool or int32, set to 1 (never cleared) for every expert that
             received a real token whose logits row is finite over the unfrozen experts.
-        token_mask: [num_tokens] bool, False on padding tokens (not counted, not checked);
-            None = every token is real.
+        token_mask: [num_tokens] bool, False on padding tokens (routed to no expert: ids -1
+            and weights 0; not counted, not checked); None = every token is real.
         block_tokens: tokens per program (a power of two); None = `default_block_tokens`.
 
     Returns:
         (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64), the
-        experts in descending weight order.
+        experts in descending weight order; -1 and 0 on padding tokens.
     """
     num_tokens, num_experts = router_logits.shape
     assert 1 <= top_k <= min(MAX_TOP_K, num_experts), f"top_k {top_k} out of range"

@@ -10,7 +10,8 @@ One call runs four to six launches, none sized by a value read from the device:
 3. GEMM2, grouped the same way: intermediate rows times w2[expert], each expert output row
    rounded to the activation dtype and stored at its pair id ([T * top_k, H]).
 4. The top-k sum: out[t] = sum_j weight[t, j] * expert_out[t * k + j] in float32, cast to the
-   activation dtype; it also raises the non-finite flags (below).
+   activation dtype; it also raises the non-finite flags (below). Pairs with expert id -1 (a
+   padding token's) get no GEMM row and add nothing: an all -1 token's output row is zeros.
 
 Invariants:
 - Same contract as `moe_ref.moe_forward`: accumulation in float32 (GEMMs and the weighted
@@ -198,10 +199,12 @@ def moe_sum_kernel(
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(top_k):
         pair = token * top_k + j
+        expert = tl.load(topk_ids_ptr + pair)  # -1: no expert, its row was never written
         weight = tl.load(weights_ptr + pair)
         o_ptrs = pair_out_ptr + pair * stride_o_pair + cols
-        expert_out = tl.load(o_ptrs, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
-        acc += weight * expert_out
+        row_ok = col_ok & (tl.full([BLOCK_H], 0, tl.int64) + expert >= 0)  # [BLOCK_H]
+        expert_out = tl.load(o_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+        acc += weight * expert_out  # [BLOCK_H]
         if CHECK:
             bad = tl.sum((~(tl.abs(expert_out) < float("inf"))).to(tl.int32), axis=0)
             if bad > 0:
@@ -215,7 +218,6 @@ def moe_sum_kernel(
                     ).to(tl.float32)
                     num_bad_inputs += tl.sum((~(tl.abs(x) < float("inf"))).to(tl.int32), axis=0)
                 if num_bad_inputs == 0:
-                    expert = tl.load(topk_ids_ptr + pair)
                     tl.store(flags_ptr + expert, 1)
     tl.store(
         out_ptr + token * stride_out_token + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok
@@ -314,7 +316,7 @@ def fused_moe(
         w13: [E, 2I, H], hidden's dtype, unit stride along H (gate rows 0:I, up rows I:2I).
         w2: [E, H, I], hidden's dtype, unit stride along I.
         topk_weights: [T, k] float32 (other float dtypes are converted).
-        topk_ids: [T, k] int32/int64 in [0, E).
+        topk_ids: [T, k] int32/int64 in [0, E), or -1 for no expert (a padding token).
         config: launch shapes (`moe_config`).
         nonfinite_experts: optional [E] bool, set in place on the device (module docstring).
 

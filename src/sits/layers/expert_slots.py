@@ -85,9 +85,10 @@ class ExpertSlots:
         return sum(slot != expert for expert, slot in enumerate(self.slot_of))
 
     def map_ids(self, topk_ids: Tensor) -> Tensor:
-        """topk_ids [T, k] int64 logical experts -> [T, k] int64 physical slots (one gather on
-        the device)."""
-        return self.table[topk_ids]  # [T, k]
+        """topk_ids [T, k] int64 logical experts -> [T, k] int64 physical slots (device ops, no
+        sync); -1 (no expert: a padding token's choice) stays -1."""
+        slots = self.table[topk_ids.clamp(min=0)]  # [T, k]
+        return torch.where(topk_ids >= 0, slots, -1)
 
     def fold_nonfinite(self, anomalous: Tensor) -> None:
         """anomalous [num_experts] bool |= the flags of each expert's slot; clear `nonfinite`.

@@ -250,7 +250,8 @@ class SparseMoeBlock(nn.Module):
     ) -> Tensor:
         """The CUDA path: `fused_route`, the experts, `fused_health_update` (two launches
         besides the gate GEMM and the experts' own, plus the slot gather and the flag fold
-        with spare slots; no host synchronisation)."""
+        with spare slots; no host synchronisation). Padding tokens (token_mask False) go to
+        no expert, so their rows of the result are zeros."""
         from sits.kernels.moe_health_triton import fused_health_update
         from sits.kernels.moe_routing_triton import fused_route
 
