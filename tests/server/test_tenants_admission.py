@@ -15,6 +15,7 @@ import pytest
 
 from sits.admission import FakeClock, format_reset
 from sits.server.context import ServerSettings
+from sits.server.params import default_max_tokens_cap
 from sits.server.qos import QosSettings
 from sits.tenancy import TenantsConfig, Tier
 from tests.server.live import LiveServer
@@ -38,6 +39,7 @@ TENANTS = TenantsConfig(
         tenant("drop", max_concurrent=1, tokens_per_minute=100_000),
         tenant("gold", tier=Tier.GUARANTEED, reserved_kv_fraction=0.5),
         tenant("sloppy"),
+        tenant("metered", tokens_per_minute=120),
     )
 )
 
@@ -227,6 +229,30 @@ def test_an_unset_max_tokens_takes_the_tenants_limit(live) -> None:
     # Nine samples cannot share 8 tokens: one each is still over the limit, and says so.
     assert n9.status_code == 400 and n9.json()["error"]["code"] == "max_tokens_per_request"
     assert n9.json()["error"]["message"].startswith("The request may generate up to 9 tokens")
+
+
+def test_an_unset_max_tokens_fits_the_tenants_tokens_per_minute(live) -> None:
+    """Admission reserves prompt + max_tokens from the tokens-per-minute bucket, so an unset
+    max_tokens (the rest of the 1,024-token context) would be refused with 400 by a tenant of
+    120 tokens a minute; it stands for what the bucket holds beside the prompt instead."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    with live.http() as http:
+        chat = http.post("/v1/chat/completions", json=body, headers=auth("metered"))
+        again = http.post("/v1/chat/completions", json=body, headers=auth("metered"))
+    usage = chat.json()["usage"]
+    assert chat.status_code == 200 and usage["total_tokens"] == 120
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+    assert again.status_code == 429  # the minute's tokens are spent (the clock stands still)
+    assert again.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_default_max_tokens_cap_takes_the_tighter_limit_per_sequence() -> None:
+    assert default_max_tokens_cap(None, 3, 50) is None
+    assert default_max_tokens_cap(tenant("free"), 3, 50) is None
+    both = tenant("both", max_tokens_per_request=100, tokens_per_minute=250)
+    assert default_max_tokens_cap(both, 1, 10) == 100  # max_tokens_per_request binds
+    assert default_max_tokens_cap(both, 2, 170) == 40  # (250 - 170) // 2
+    assert default_max_tokens_cap(both, 4, 250) == 1  # nothing left: admission refuses it
 
 
 def test_refused_bodies_count_for_their_tenant(live) -> None:

@@ -340,3 +340,73 @@ def test_the_ttft_slo_is_judged_on_the_ttft_from_the_http_receipt() -> None:
     assert value("sits:tenant_time_to_first_token_seconds_sum") == pytest.approx(1.2)
     assert value("sits:tenant_http_time_to_first_token_seconds_count") == 2
     assert value("sits:tenant_http_time_to_first_token_seconds_sum") == pytest.approx(2.2)
+
+
+def test_a_shed_request_misses_each_slo_of_its_tenant() -> None:
+    registry = CollectorRegistry()
+    tenants = TenantsConfig(
+        (
+            tenant("gold", tier=Tier.GUARANTEED, reserved_kv_fraction=0.5, ttft_ms=1000),
+            tenant("paced", tier=Tier.BURSTABLE, ttft_ms=2000, tpot_ms=50),
+            tenant("free", tier=Tier.BEST_EFFORT),
+        )
+    )
+    metrics = TenantMetrics(registry, "m", tenants)
+    metrics.observe_ttft(tenants.get("gold"), 0.2, 0.3)  # served within its SLO
+    for tenant_id, outcome in (("gold", "503"), ("gold", "429"), ("gold", "400")):
+        metrics.count_outcome(tenant_id, outcome)  # only the 503 is the server's doing
+    metrics.count_outcome("paced", "503")
+    metrics.count_outcome("free", "503")  # no SLO: nothing to miss
+
+    def value(name: str, tenant_id: str, slo: str) -> float:
+        labels = {"model_name": "m", "tenant": tenant_id, "slo": slo}
+        return registry.get_sample_value(name, labels)
+
+    counts = {
+        (tenant_id, slo): (
+            value("sits:tenant_slo_requests_total", tenant_id, slo),
+            value("sits:tenant_slo_met_total", tenant_id, slo),
+        )
+        for tenant_id in ("gold", "paced", "free")
+        for slo in ("ttft", "tpot")
+    }
+    assert counts == {
+        ("gold", "ttft"): (2, 1),
+        ("gold", "tpot"): (0, 0),
+        ("paced", "ttft"): (1, 0),
+        ("paced", "tpot"): (1, 0),
+        ("free", "ttft"): (0, 0),
+        ("free", "tpot"): (0, 0),
+    }
+
+
+def test_prompt_tokens_count_only_once_the_request_was_scheduled() -> None:
+    from sits.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from sits.core.sampling_params import SamplingParams
+    from sits.server.jobs import EnginePrompt
+    from sits.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(SimpleNamespace(), "m")
+    metrics.tenants = TenantMetrics(metrics.registry, "m", TENANTS)
+    gold = TENANTS.get("gold")
+    prompt = EnginePrompt(None, [5] * 7, SamplingParams(max_tokens=4))
+
+    def output(scheduled_s: float | None, token_ids: list[int], reason: str | None):
+        timing = RequestMetrics(arrival_time=1.0, first_scheduled_time=scheduled_s)
+        if reason is not None:
+            timing.finished_time = 2.0
+        sample = CompletionOutput(0, token_ids=token_ids, finish_reason=reason)
+        return RequestOutput("r", None, [5] * 7, None, [sample], reason is not None, timing)
+
+    shed = metrics.recorder(prompt, gold)  # shed while queued: never scheduled
+    shed.on_output(output(None, [], "abort"))
+    served = metrics.recorder(prompt, gold)
+    served.on_output(output(1.5, [9], None))
+    served.on_output(output(1.5, [9], "length"))
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("sits:prompt_tokens_total") == 7
+    assert value("sits:tenant_prompt_tokens_total", tenant="gold") == 7
+    assert value("sits:generation_tokens_total") == 2

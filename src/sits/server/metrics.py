@@ -399,6 +399,7 @@ class RequestRecorder(OutputObserver):
         self.num_prompt_tokens = num_prompt_tokens
         self.num_samples = num_samples
         self.saw_output = False
+        self.counted_prompt = False
         self.saw_first_token = False
         self.last_token_time: float | None = None
         self.tokens_by_sample: dict[int, int] = {}
@@ -420,14 +421,18 @@ class RequestRecorder(OutputObserver):
         label = self.m.model_name
         metrics = output.metrics
         self.last_output = output
+        scheduled = metrics is not None and metrics.first_scheduled_time is not None
         if not self.saw_output:
             self.saw_output = True
+            if scheduled:
+                queued_s = metrics.first_scheduled_time - metrics.arrival_time
+                self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
+        if not self.counted_prompt and (scheduled or metrics is None):
+            # A request shed while queued was never scheduled: its prompt was not processed.
+            self.counted_prompt = True
             self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
             if self.t is not None:
                 self.t.add_prompt_tokens(self.tenant.id, self.num_prompt_tokens)
-            if metrics is not None and metrics.first_scheduled_time is not None:
-                queued_s = metrics.first_scheduled_time - metrics.arrival_time
-                self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
         num_new = 0
         for sample in output.outputs:
             num_new += len(sample.token_ids)

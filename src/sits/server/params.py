@@ -23,6 +23,7 @@ from sits.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingP
 from sits.server.errors import ServerError, unsupported
 from sits.server.protocol_chat import ChatCompletionRequest
 from sits.server.protocol_completion import CompletionRequest
+from sits.tenancy import TenantConfig
 
 _MIN_SEED = -(2**63)
 _MAX_SEED = 2**63 - 1
@@ -161,18 +162,27 @@ def check_text_fits(param: str, num_chars: int, tokenizer: Any, max_model_len: i
     )
 
 
-def default_max_tokens_cap(max_tokens_per_request: int | None, num_sequences: int) -> int | None:
-    """The most tokens an unset max_tokens may stand for under a tenant's
-    `max_tokens_per_request` (which bounds max_tokens x n over all prompts): the limit shared
-    by the request's `num_sequences` (prompts x n), at least 1 (more sequences than the limit
-    has tokens: the admission check then refuses one token each), or None when the tenant has
-    no limit.
+def default_max_tokens_cap(
+    tenant: TenantConfig | None, num_sequences: int, num_prompt_tokens: int = 0
+) -> int | None:
+    """The most tokens an unset max_tokens may stand for under a tenant's limits: its
+    `max_tokens_per_request` (which bounds max_tokens x n over all prompts) and its
+    `tokens_per_minute` less the request's `num_prompt_tokens` (admission reserves prompt +
+    max_tokens x n from that bucket), shared by the request's `num_sequences` (prompts x n);
+    at least 1 (the admission check then refuses what cannot fit); None when the tenant has
+    neither limit (or there is no tenant).
 
     Without it, a chat request that leaves max_tokens out would ask for the rest of the
     context and be refused with 400 by any such tenant; OpenAI's clients leave it out."""
-    if max_tokens_per_request is None:
+    if tenant is None:
         return None
-    return max(max_tokens_per_request // max(num_sequences, 1), 1)
+    num_sequences = max(num_sequences, 1)
+    caps = []
+    if tenant.max_tokens_per_request is not None:
+        caps.append(tenant.max_tokens_per_request // num_sequences)
+    if tenant.tokens_per_minute is not None:
+        caps.append((tenant.tokens_per_minute - num_prompt_tokens) // num_sequences)
+    return max(min(caps), 1) if caps else None
 
 
 def resolve_max_tokens(

@@ -114,10 +114,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def build_chat_prompt(
-    req: ChatCompletionRequest, ctx: ServerContext, max_tokens_per_request: int | None = None
+    req: ChatCompletionRequest, ctx: ServerContext, tenant: TenantConfig | None = None
 ) -> EnginePrompt:
     """Render, tokenize and check the chat prompt and resolve its max_tokens (an unset one
-    is capped by the tenant's `max_tokens_per_request`, `default_max_tokens_cap`).
+    is capped by the tenant's `max_tokens_per_request` and `tokens_per_minute`,
+    `default_max_tokens_cap`).
 
     Raises:
         InvalidParameterError, PromptTooLongError: naming the field at fault.
@@ -134,7 +135,7 @@ def build_chat_prompt(
     )
     token_ids = drop_double_bos(list(token_ids), tokenizer.bos_token_id)
     check_prompt_ids(token_ids, tokenizer, "messages")
-    cap = default_max_tokens_cap(max_tokens_per_request, base.n)
+    cap = default_max_tokens_cap(tenant, base.n, len(token_ids))
     max_tokens = resolve_max_tokens(requested, len(token_ids), ctx.max_model_len, "messages", cap)
     return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=max_tokens))
 
@@ -253,7 +254,7 @@ async def create_chat_completion(
     def prepare(tenant: TenantConfig) -> GenerationJob:
         ctx.check_model(req.model)
         check_chat_request(req)
-        prompts.append(build_chat_prompt(req, ctx, tenant.max_tokens_per_request))
+        prompts.append(build_chat_prompt(req, ctx, tenant))
         return ctx.new_job(
             "chatcmpl",
             prompts,

@@ -72,19 +72,19 @@ def build_prompts(
     req: CompletionRequest,
     ctx: ServerContext,
     base: SamplingParams,
-    max_tokens_per_request: int | None = None,
+    tenant: TenantConfig | None = None,
 ) -> list[EnginePrompt]:
     """Tokenize and check every prompt and give each its resolved max_tokens (a null one is
-    capped by the tenant's `max_tokens_per_request`, `default_max_tokens_cap`).
+    capped by the tenant's `max_tokens_per_request` and `tokens_per_minute`,
+    `default_max_tokens_cap`).
 
     Raises:
         InvalidParameterError: an empty prompt or a token id outside the vocabulary.
         PromptTooLongError: prompt + max_tokens does not fit the context.
     """
     tokenizer = ctx.tokenizer
-    prompts = []
+    encoded = []  # (text, token_ids) per prompt
     items = _split_prompts(req.prompt)
-    cap = default_max_tokens_cap(max_tokens_per_request, len(items) * base.n)
     for item in items:
         if isinstance(item, str):
             text: str | None = item
@@ -93,6 +93,11 @@ def build_prompts(
         else:
             text, token_ids = None, list(item)
         check_prompt_ids(token_ids, tokenizer, "prompt")
+        encoded.append((text, token_ids))
+    num_prompt_tokens = sum(len(token_ids) for _, token_ids in encoded)
+    cap = default_max_tokens_cap(tenant, len(items) * base.n, num_prompt_tokens)
+    prompts = []
+    for text, token_ids in encoded:
         max_tokens = resolve_max_tokens(
             req.max_tokens, len(token_ids), ctx.max_model_len, "prompt", cap
         )
@@ -272,7 +277,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         ctx.check_model(req.model)
         check_completion_request(req)
         base = completion_sampling_params(req, req.max_tokens)
-        prompts.extend(build_prompts(req, ctx, base, tenant.max_tokens_per_request))
+        prompts.extend(build_prompts(req, ctx, base, tenant))
         return ctx.new_job(
             "cmpl",
             prompts,

@@ -13,7 +13,10 @@ takes configured tenant ids (a bounded set), and every other label a fixed set o
   `sits:tenant_time_per_output_token_seconds` (histograms),
   `sits:tenant_slo_requests_total{tenant, slo}` and
   `sits:tenant_slo_met_total{tenant, slo}` (slo: ttft, tpot; attainment = met / requests;
-  a request counts only for the SLOs its tenant has);
+  a request counts only for the SLOs its tenant has; a request the server sheds (503: red
+  at admission, shed while queued, circuit open) never gets a token and counts as a miss of
+  each, as `sits bench serve` counts it, so attainment is over the requests sent less those
+  refused for the tenant's own faults: 400, 404 and 429);
 - read at scrape time (`QosCollector`): from the engine's per-tenant stats
   `sits:tenant_kv_blocks_reserved`, `sits:tenant_kv_blocks_borrowed`,
   `sits:tenant_kv_blocks_used`, `sits:tenant_num_requests_running`,
@@ -116,6 +119,7 @@ class TenantMetrics:
             labels + ["slo"],
             registry=registry,
         )
+        self._tenants = {tenant.id: tenant for tenant in tenants}
         for tenant in tenants:
             for outcome in OUTCOMES:
                 self.requests.labels(model_name, tenant.id, outcome)
@@ -124,9 +128,14 @@ class TenantMetrics:
                 self.slo_met.labels(model_name, tenant.id, slo)
 
     def count_outcome(self, tenant_id: str, outcome: str) -> None:
-        """One request of the tenant ended with `outcome` (one of `OUTCOMES`)."""
+        """One request of the tenant ended with `outcome` (one of `OUTCOMES`); a 503 also
+        misses each SLO the tenant has (module docstring)."""
         assert outcome in OUTCOMES, outcome
         self.requests.labels(self.model_name, tenant_id, outcome).inc()
+        tenant = self._tenants.get(tenant_id)
+        if outcome == "503" and tenant is not None:
+            self._slo(tenant_id, "ttft", tenant.ttft_ms, float("inf"))
+            self._slo(tenant_id, "tpot", tenant.tpot_ms, float("inf"))
 
     def add_prompt_tokens(self, tenant_id: str, num_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name, tenant_id).inc(num_tokens)
