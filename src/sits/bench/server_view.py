@@ -37,7 +37,8 @@ class TenantView:
         ttft_count: engine requests with a first token.
         ttft_mean_s: their mean TTFT from hand-off to the engine (seconds), None if none.
         ttft_met_pct: % of the requests measured against its TTFT SLO that met it, judged
-            by the server on the TTFT from receipt (None without an SLO or without requests).
+            by the server on the TTFT from receipt; requests the server shed (503) count as
+            misses (None without an SLO or without requests).
         http_ttft_mean_s: their mean TTFT from the HTTP request's receipt (seconds), None if
             the server does not report it.
     """
