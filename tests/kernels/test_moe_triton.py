@@ -15,7 +15,11 @@ import torch
 pytest.importorskip("triton")
 
 from sits.core.errors import InvalidParameterError  # noqa: E402
-from sits.kernels.moe_align import align_pairs_to_experts, max_padded_rows  # noqa: E402
+from sits.kernels.moe_align import (  # noqa: E402
+    align_pairs_to_experts,
+    max_padded_rows,
+    pair_blocks,
+)
 from sits.kernels.moe_config import (  # noqa: E402
     CONFIG_DIR,
     GemmConfig,
@@ -174,6 +178,20 @@ def test_padding_tokens_without_experts_get_zero_rows(config) -> None:
     real = moe_forward(x[:7], w13, w2, weights[:7], ids[:7])  # the real tokens alone
     assert relative_error(out[:7], real) < 1e-5
     assert not flags.any()
+
+
+def test_one_token_step_uses_a_block_per_pair() -> None:
+    x, w13, w2, weights, ids = make_inputs(1, 8, 3, 32, 32, seed=9)
+    assert pair_blocks(ids, 16).one_pair_per_block and pair_blocks(ids, 16).max_num_blocks == 3
+    flags = torch.zeros(8, dtype=torch.bool, device=DEVICE)
+    out = fused_moe(x, w13, w2, weights, ids, SMALL, flags)
+    assert relative_error(out, moe_forward(x, w13, w2, weights, ids)) < 1e-5
+    padding = torch.full_like(ids, -1)  # a one-token step of padding (a warm-up)
+    empty = fused_moe(x, w13, w2, torch.zeros_like(weights), padding, SMALL, flags)
+    assert torch.equal(empty, torch.zeros_like(empty)) and not flags.any()
+    w2[int(ids[0, 1]), 0, 0] = float("nan")
+    fused_moe(x, w13, w2, weights, ids, SMALL, flags)
+    assert flags.cpu().tolist() == [e == int(ids[0, 1]) for e in range(8)]
 
 
 def test_float16_matches_reference() -> None:

@@ -47,6 +47,9 @@ class ExpertAlignment:
         num_padded_rows: [1] int32, rows in use (a multiple of block_m).
         block_m: rows per block.
         num_pairs: num_tokens * top_k.
+        one_pair_per_block: `pair_blocks`'s layout: block b holds pair b alone (row b *
+            block_m; the rest padding) and its expert is `block_expert_ids[b]` (the flat
+            topk_ids, -1: no block); sorted_pair_ids and num_padded_rows are not read.
     """
 
     sorted_pair_ids: Tensor
@@ -54,11 +57,29 @@ class ExpertAlignment:
     num_padded_rows: Tensor
     block_m: int
     num_pairs: int
+    one_pair_per_block: bool = False
 
     @property
     def max_num_blocks(self) -> int:
         """Row blocks a GEMM grid must cover (the static bound)."""
         return self.block_expert_ids.shape[0]
+
+
+def pair_blocks(topk_ids: Tensor, block_m: int) -> ExpertAlignment:
+    """The alignment of a one-token step without a launch: its k pairs go to k distinct
+    experts, so giving each pair a block of its own is what sorting would give (same blocks,
+    other order), and the GEMMs read the expert ids straight from topk_ids.
+
+    Args:
+        topk_ids: [1, top_k] int32/int64 distinct expert ids, or -1 (a padding token).
+        block_m: rows per GEMM block.
+
+    Returns:
+        An `ExpertAlignment` with one_pair_per_block set and k blocks.
+    """
+    assert topk_ids.shape[0] == 1, "pair_blocks is for one-token steps"
+    flat_ids = topk_ids.reshape(-1)  # [top_k]
+    return ExpertAlignment(flat_ids, flat_ids, flat_ids, block_m, flat_ids.shape[0], True)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -1,9 +1,10 @@
 """`TritonMoe`: the GPU `MoeBackend`, fused Triton twin of `moe_ref.TorchMoe`.
 
-One call runs four to six launches, none sized by a value read from the device:
+One call runs three to six launches, none sized by a value read from the device:
 1. `moe_align.align_pairs_to_experts` (one launch for small steps, three for large ones):
    (token, expert) pairs grouped by expert, padded per expert to BLOCK_M rows, with each row
-   block's expert id and the padded row count.
+   block's expert id and the padded row count. A one-token step skips it: its k pairs have k
+   distinct experts, so each pair is a block of its own (`moe_align.pair_blocks`).
 2. GEMM1, grouped over row blocks: rows of `hidden` gathered by pair (token = pair // top_k)
    times the block's expert w13 gate and up rows (two accumulators), SiLU(gate) * up in the
    epilogue, stored to an intermediate [max_padded_rows, I] in sorted-row order.
@@ -41,7 +42,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sits.kernels.moe_align import ExpertAlignment, align_pairs_to_experts, max_padded_rows
+from sits.kernels.moe_align import (
+    ExpertAlignment,
+    align_pairs_to_experts,
+    max_padded_rows,
+    pair_blocks,
+)
 from sits.kernels.moe_config import GemmConfig, MoeConfigStore, MoeLaunchConfig
 from sits.kernels.moe_ref import select_experts
 from sits.kernels.triton_utils import cdiv, next_power_of_2
@@ -58,6 +64,29 @@ def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _block_rows(
+    pid_m,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+    ONE_PAIR_PER_BLOCK: tl.constexpr,
+):
+    """(rows [BLOCK_M] of the intermediate, pair ids [BLOCK_M] with num_pairs on padding,
+    expert) of row block pid_m; expert -1: the block has no work."""
+    local = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rows = pid_m * BLOCK_M + local  # [BLOCK_M] sorted rows
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if ONE_PAIR_PER_BLOCK:  # `moe_align.pair_blocks`: block b is pair b alone
+        pairs = tl.where(local == 0, pid_m, num_pairs)
+    else:
+        pairs = tl.load(sorted_ptr + rows)  # [BLOCK_M]
+        expert = tl.where(pid_m * BLOCK_M < tl.load(num_padded_ptr), expert, -1)
+    return rows, pairs, expert
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
@@ -83,14 +112,16 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ONE_PAIR_PER_BLOCK: tl.constexpr,
 ):
     """Program (row block, column block): inter = SiLU(x @ w1^T) * (x @ w3^T) of one tile."""
     pid_m, pid_n = _tile_of(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    rows, pairs, expert = _block_rows(
+        pid_m, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M,
+        ONE_PAIR_PER_BLOCK,
+    )  # fmt: skip
+    if expert < 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted rows
-    pairs = tl.load(sorted_ptr + rows)  # [BLOCK_M]
     tokens = tl.where(pairs < num_pairs, pairs // top_k, 0).to(tl.int64)  # padding -> row 0
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of I
     cols_in = cols % inter_size  # clamped: loads stay in bounds, stores are masked
@@ -144,14 +175,16 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ONE_PAIR_PER_BLOCK: tl.constexpr,
 ):
     """Program (row block, column block): expert output = inter @ w2^T, stored per pair."""
     pid_m, pid_n = _tile_of(tl.program_id(0), max_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    rows, pairs, expert = _block_rows(
+        pid_m, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M,
+        ONE_PAIR_PER_BLOCK,
+    )  # fmt: skip
+    if expert < 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted rows
-    pairs = tl.load(sorted_ptr + rows)  # [BLOCK_M]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of H
     cols_in = cols % hidden_size
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -191,34 +224,38 @@ def moe_sum_kernel(
     stride_out_token,
     CHECK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Program (token, column block): weighted top-k sum in float32; non-finite flags."""
+    """Program (token, column block): weighted top-k sum in float32; non-finite flags. The k
+    expert rows are read as one [BLOCK_K, BLOCK_H] tile: one round trip to memory, not k."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden_size
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(top_k):
-        pair = token * top_k + j
-        expert = tl.load(topk_ids_ptr + pair)  # -1: no expert, its row was never written
-        weight = tl.load(weights_ptr + pair)
-        o_ptrs = pair_out_ptr + pair * stride_o_pair + cols
-        row_ok = col_ok & (tl.full([BLOCK_H], 0, tl.int64) + expert >= 0)  # [BLOCK_H]
-        expert_out = tl.load(o_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-        acc += weight * expert_out  # [BLOCK_H]
-        if CHECK:
-            bad = tl.sum((~(tl.abs(expert_out) < float("inf"))).to(tl.int32), axis=0)
-            if bad > 0:
-                num_bad_inputs = 0
-                for h0 in range(0, hidden_size, BLOCK_H):
-                    h_cols = h0 + tl.arange(0, BLOCK_H)
-                    x = tl.load(
-                        hidden_ptr + token * stride_h_token + h_cols,
-                        mask=h_cols < hidden_size,
-                        other=0.0,
-                    ).to(tl.float32)
-                    num_bad_inputs += tl.sum((~(tl.abs(x) < float("inf"))).to(tl.int32), axis=0)
-                if num_bad_inputs == 0:
-                    tl.store(flags_ptr + expert, 1)
+    choices = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    pairs = token * top_k + choices  # [BLOCK_K]
+    choice_ok = choices < top_k
+    experts = tl.load(topk_ids_ptr + pairs, mask=choice_ok, other=-1)  # -1: no expert
+    weights = tl.load(weights_ptr + pairs, mask=choice_ok, other=0.0)  # [BLOCK_K]
+    routed = experts >= 0  # a padding token's pairs have no row: never read
+    o_ptrs = pair_out_ptr + pairs[:, None] * stride_o_pair + cols[None, :]
+    tile_ok = routed[:, None] & col_ok[None, :]  # [BLOCK_K, BLOCK_H]
+    expert_out = tl.load(o_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(weights[:, None] * expert_out, axis=0)  # [BLOCK_H]
+    if CHECK:
+        bad = tl.sum((~(tl.abs(expert_out) < float("inf"))).to(tl.int32), axis=1)  # [BLOCK_K]
+        if tl.max(bad, axis=0) > 0:
+            num_bad_inputs = 0
+            for h0 in range(0, hidden_size, BLOCK_H):
+                h_cols = h0 + tl.arange(0, BLOCK_H)
+                x = tl.load(
+                    hidden_ptr + token * stride_h_token + h_cols,
+                    mask=h_cols < hidden_size,
+                    other=0.0,
+                ).to(tl.float32)
+                num_bad_inputs += tl.sum((~(tl.abs(x) < float("inf"))).to(tl.int32), axis=0)
+            if num_bad_inputs == 0:
+                one = tl.full([BLOCK_K], 1, flags_ptr.dtype.element_ty)
+                tl.store(flags_ptr + experts, one, mask=bad > 0)
     tl.store(
         out_ptr + token * stride_out_token + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok
     )
@@ -250,6 +287,7 @@ def launch_gemm1(
         GROUP_M=gemm.group_m,
         EVEN_K=hidden_size % gemm.block_k == 0,
         DOT_PRECISION=_dot_precision(hidden.dtype),
+        ONE_PAIR_PER_BLOCK=alignment.one_pair_per_block,
         num_warps=gemm.num_warps,
         num_stages=gemm.num_stages,
     )  # fmt: skip
@@ -272,6 +310,7 @@ def launch_gemm2(
         GROUP_M=gemm.group_m,
         EVEN_K=inter_size % gemm.block_k == 0,
         DOT_PRECISION=_dot_precision(inter.dtype),
+        ONE_PAIR_PER_BLOCK=alignment.one_pair_per_block,
         num_warps=gemm.num_warps,
         num_stages=gemm.num_stages,
     )  # fmt: skip
@@ -296,6 +335,7 @@ def launch_topk_sum(
         pair_out.stride(0), hidden.stride(0), out.stride(0),
         CHECK=check,
         BLOCK_H=block_h,
+        BLOCK_K=max(2, next_power_of_2(top_k)),
         num_warps=4,
     )  # fmt: skip
 
@@ -336,7 +376,10 @@ def fused_moe(
         hidden = hidden.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    alignment = align_pairs_to_experts(topk_ids, num_experts, config.block_m)
+    if num_tokens == 1:  # k distinct experts: a block per pair, no alignment launch
+        alignment = pair_blocks(topk_ids, config.block_m)
+    else:
+        alignment = align_pairs_to_experts(topk_ids, num_experts, config.block_m)
     num_rows = max_padded_rows(alignment.num_pairs, num_experts, config.block_m)
     inter = hidden.new_empty(num_rows, inter_size)  # [max_padded_rows, I]
     pair_out = hidden.new_empty(alignment.num_pairs, hidden_size)  # [T * k, H]
