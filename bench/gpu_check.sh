@@ -5,14 +5,16 @@
 # Usage (repo root, on the GPU machine): bash bench/gpu_check.sh [SECTION ...]
 #   sections: tests micro e2e targets (default: tests micro e2e)
 #   tests    all gpu-marked tests (kernels, sampling, models, layers, runner); the kernel
-#            tests alone took 5.6 min: give this section a lane of its own
+#            tests alone took 5.6 min serially (now on four pytest-xdist workers when the
+#            image has xdist): give this section a lane of its own
 #   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   decode   the issue-4 qwen3 figures without the peer (batch 10 2048/1024 and batch 1 TPOT,
 #            256 x 512/128 offline) and the decode graphs' kernels at batch 1 and 10, context
 #            2,560 (~4 min); with SITS_SRC=DIR in one lane, an A/B against another source tree
-#   moe_tests  the GPU tests of the MoE routing, kernels, expert slots and spares (~2 min)
+#   moe_tests  the GPU tests of the MoE routing, kernels, expert slots and spares and the GPU
+#            runner (4.5 min serially; the kernel files now run on four pytest-xdist workers)
 #   sweep    mixed steps as a paced server runs them (240 decodes at context 576 + chunks of
 #            512), 768-2,048 tokens: replayed step us and each top kernel's us per size (~2 min)
 #   moe_ab   the same sweep (1,024-2,048 tokens) with the shipped MoE configs and with those of
@@ -74,8 +76,13 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 has kv && SECTIONS="$SECTIONS kv_ttft kv_fp8 kv_host"
 sits() { python3 -m sits.cli.main "$@"; }
 
+# Kernel tests spend most of their time compiling Triton kernels on the host: with pytest-xdist
+# (in the device image) four workers share the GPU. Serially they took 5.6 min.
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
 if has tests; then
-  run kernel_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels
+  run kernel_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "gpu or not gpu" \
+    tests/kernels
   run model_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
     tests/sampling tests/models tests/layers tests/runner tests/engine/test_gpu_runner.py \
     tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py \
@@ -95,9 +102,10 @@ if has decode; then
     --batch-sizes 1 10 --context 2560 --prefill-tokens 512 --top 24
 fi
 if has moe_tests; then
+  run moe_kernel_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+    -m "gpu or not gpu" tests/kernels/test_moe_triton.py tests/kernels/test_moe_triton_gpu.py \
+    tests/kernels/test_moe_routing_triton.py tests/kernels/test_moe_routing_triton_gpu.py
   run moe_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-    tests/kernels/test_moe_triton.py tests/kernels/test_moe_triton_gpu.py \
-    tests/kernels/test_moe_routing_triton.py tests/kernels/test_moe_routing_triton_gpu.py \
     tests/layers/test_expert_slots_gpu.py tests/engine/test_expert_spares_gpu.py \
     tests/engine/test_gpu_runner.py
 fi
