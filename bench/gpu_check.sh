@@ -18,8 +18,8 @@
 #   sweep    mixed steps as a paced server runs them (240 decodes at context 576 + chunks of
 #            512), 768-2,048 tokens: replayed step us and each top kernel's us per size (~2 min)
 #   moe_ab   the same sweep (1,024-2,048 tokens) with the shipped MoE configs and with those of
-#            MOE_ALT_DIR (SITS_MOE_CONFIG_DIR); by default the shipped ones with the tuner's
-#            BLOCK_M 128 entry for 1,025-2,048 tokens of the qwen3 shape (~2 min)
+#            MOE_ALT_DIR (SITS_MOE_CONFIG_DIR); by default the shipped ones with the former
+#            BLOCK_M 64 entry for 1,025-2,048 tokens of the qwen3 shape (~2 min)
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
 #            adds engine flags to the offline runs (e.g. --no-mixed-step-cuda-graphs)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)

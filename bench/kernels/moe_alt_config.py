@@ -1,9 +1,9 @@
 """Write an alternative MoE config directory for an A/B of launch configs (gpu_check `moe_ab`).
 
 Copies the shipped tuned files (`src/sits/kernels/configs`) to OUT_DIR and sets, in the
-qwen3-30b-a3b shape's H200 file, the entry that serves 1,025-2,048 tokens to the tuner's
-BLOCK_M 128 choice under uniform routing (bench/RESULTS.md, 2026-11-30, seventh session), so
-`SITS_MOE_CONFIG_DIR=OUT_DIR` runs the engine with it.
+qwen3-30b-a3b shape's H200 file, the entry that serves 1,025-2,048 tokens back to the BLOCK_M
+64 shape it had before the ninth session (the shipped entry is now the tuner's BLOCK_M 128:
+bench/RESULTS.md, ninth session), so `SITS_MOE_CONFIG_DIR=OUT_DIR` runs the engine with it.
 
 Usage (repo root): python3 bench/kernels/moe_alt_config.py OUT_DIR
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parents[2] / "src" / "sits" / "kernels" / "configs"
 FILE = "moe_E128_N768_bf16_NVIDIA_H200.json"
-BLOCK_M_128 = {
-    "BLOCK_M": 128,
-    "gemm1": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 16, "num_warps": 8, "num_stages": 4},
-    "gemm2": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+BLOCK_M_64 = {
+    "BLOCK_M": 64,
+    "gemm1": {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "gemm2": {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
 }
 
 
@@ -31,7 +31,7 @@ def write_alt_dir(out_dir: Path) -> Path:
         shutil.copyfile(path, out_dir / path.name)
     target = out_dir / FILE
     table = json.loads(target.read_text())
-    table["2048"] = BLOCK_M_128
+    table["2048"] = BLOCK_M_64
     target.write_text(json.dumps(table, indent=1) + "\n")
     return target
 
