@@ -1,5 +1,7 @@
-"""Where a step's time goes: CUDA kernel times of one decode step as its CUDA graph replays and
-of one eager prefill step (torch.profiler), the graph and eager decode step times; with
+"""Where a step's time goes: the CUDA kernels of decode, prefill and mixed steps (torch.profiler).
+
+Kernel times of one decode step as its CUDA graph replays and of one eager prefill step, the
+graph and eager decode step times; with
 `--mixed-tokens`, a sweep of mixed steps (a decode batch plus fresh prompt chunks) by step size,
 timed as the server runs them (mixed-step CUDA graphs), with each kernel's time per size.
 
@@ -41,14 +43,23 @@ def _llm(
     shape: str,
     max_num_seqs: int,
     enforce_eager: bool,
-    max_model_len: int = 4096,
+    max_model_len: int | None = None,
     dtype: str = "bfloat16",
 ):
+    """An engine on random weights of `shape`; max_model_len None: 4,096 or the shape's own
+    limit when that is shorter (the tiny CPU shapes)."""
+    import json
+    from pathlib import Path
+
     from sits import LLM
     from sits.bench.shapes import write_shape_dir
 
+    model_dir = write_shape_dir(shape)
+    if max_model_len is None:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        max_model_len = min(4096, config.get("max_position_embeddings", 4096))
     return LLM(
-        model=write_shape_dir(shape),
+        model=model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -244,21 +255,28 @@ def _time_us(fn, iters: int = 20) -> float:
 
 
 def _kernel_table(fn, label: str, top: int) -> float:
+    """Print the top kernels of one call of `fn` (CUDA kernels; CPU ops on a machine without
+    a GPU, so the script runs anywhere); returns their total us."""
     fn()
     _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         fn()
         _sync()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    kind = "CUDA" if on_gpu else "CPU"
+    rows = [
+        (e.key, e.count, e.self_device_time_total if on_gpu else e.self_cpu_time_total)
+        for e in prof.key_averages()
+        if e.device_type.name == kind
+    ]  # (name, calls, self us)
+    total = sum(us for _, _, us in rows)
+    rows.sort(key=lambda row: row[2], reverse=True)
     print(f"\n### {label}: kernels {total:.0f} us in all")
     print("| kernel | calls | total us | % |")
     print("|---|---|---|---|")
-    for e in events[:top]:
-        share = 100 * e.self_device_time_total / max(total, 1e-9)
-        name = e.key[:70].replace("|", "/")
-        print(f"| {name} | {e.count} | {e.self_device_time_total:.0f} | {share:.1f} |")
+    for name, calls, us in rows[:top]:
+        share = 100 * us / max(total, 1e-9)
+        print(f"| {name[:70].replace('|', '/')} | {calls} | {us:.0f} | {share:.1f} |")
     return total
 
 
@@ -285,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         help="only replay the steps of these SITS_STEP_SHAPES_FILE recordings",
     )
     p.add_argument("--replay-steps", type=int, default=40, help="steps replayed per file")
-    p.add_argument("--max-model-len", type=int, default=4096, help="(--mixed-tokens, --replay)")
-    p.add_argument("--dtype", default="bfloat16", help="(--mixed-tokens, --replay)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: 4096 or the shape's limit"
+    )
+    p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     if args.mixed_tokens or args.replay:
@@ -297,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.replay:
                 _replay(llm.engine_core.runner, args)
         return 0
-    llm = _llm(args.random_weights, max(args.batch_sizes), enforce_eager=False)
+    llm = _llm(args.random_weights, max(args.batch_sizes), False, args.max_model_len, args.dtype)
     runner = llm.engine_core.runner
     bs = runner.block_size
     rows = []

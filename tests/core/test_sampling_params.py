@@ -29,6 +29,9 @@ from sits.core.errors import InvalidParameterError
         ("logprobs", 21),
         ("logprobs", -1),
         ("seed", 1.5),
+        ("stop", ["s"] * 65),  # stop conditions are checked on every token: bounded
+        ("stop", ["x" * 1025]),
+        ("stop_token_ids", list(range(1025))),
     ],
 )
 def test_invalid_values_name_the_parameter(field: str, value: object) -> None:
@@ -42,6 +45,8 @@ def test_valid_edges() -> None:
     params = SamplingParams(n=128, temperature=0, top_p=1, top_k=-1, logprobs=20, seed=2**70)
     assert params.greedy and params.n == 128
     assert SamplingParams(stop="x").stop == ["x"]
+    assert len(SamplingParams(stop=["s"] * 64, stop_token_ids=list(range(1024))).stop) == 64
+    assert SamplingParams(stop=["x" * 1024]).stop == ["x" * 1024]
     with pytest.raises(InvalidParameterError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
 

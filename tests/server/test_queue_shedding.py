@@ -56,7 +56,7 @@ def test_queued_work_past_its_ttft_limit_is_shed(live: LiveServer) -> None:
             error = answer.json()["error"]
             assert error["code"] == "overloaded"
             assert (
-                "got no first token within its 1e-06 s TTFT limit while queued"
+                "got no first token within its 1e-06 s first-token limit while queued"
                 in (error["message"])
             )
             assert answer.headers["retry-after"] == "5"

@@ -110,6 +110,18 @@ def test_red_sheds_by_tier_and_quota_before_rate_limits() -> None:
     assert (err.value.status, err.value.code) == (503, "overloaded")
     assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
     assert qos.admission.snapshot("free").remaining_requests == 6  # nothing consumed
+    with pytest.raises(ServerError) as err:  # no wait admits it: 400 in any state, not 503
+        qos.admit(TENANTS.get("free"), 1000, 200)
+    assert (err.value.status, err.value.code, err.value.param) == (
+        400,
+        "request_too_large",
+        "prompt",
+    )
+    assert "Retry-After" not in err.value.headers
+    assert err.value.message.startswith("Request too large: 1000 prompt tokens + 200 for")
+    with pytest.raises(ServerError) as err:
+        qos.admit(TENANTS.get("free"), 10, 995)
+    assert (err.value.status, err.value.param) == (400, "max_tokens")
     qos.admit(TENANTS.get("bulk"), 1, 1).finish(Outcome.OK, 2)  # within its reservation
     engine.snapshot.tenants["bulk"] = _sched(20, 20)  # holds its whole reservation
     with pytest.raises(ServerError):
@@ -288,7 +300,7 @@ def test_a_borrowers_own_backlog_past_its_slo_sheds_its_new_over_quota_work() ->
         with pytest.raises(ServerError) as err:
             qos.admit(t, 1, 1)
         assert (err.value.status, err.value.code) == (503, "overloaded")
-        assert f"has waited {waited} s, over {limit} s TTFT limit)" in err.value.message
+        assert f"has waited {waited} s, over {limit} s first-token limit)" in err.value.message
         assert err.value.headers == {"Retry-After": "5", "retry-after-ms": "5000"}
     assert qos.overload_state is OverloadState.GREEN
     ticket = qos.admit(gold, 1, 1)
@@ -355,7 +367,7 @@ def test_a_shed_request_misses_each_slo_of_its_tenant() -> None:
     metrics.observe_ttft(tenants.get("gold"), 0.2, 0.3)  # served within its SLO
     for tenant_id, outcome in (("gold", "503"), ("gold", "429"), ("gold", "400")):
         metrics.count_outcome(tenant_id, outcome)  # only the 503 is the server's doing
-    metrics.count_outcome("paced", "503")
+    metrics.count_outcome("paced", "503", num_prompts=2)  # SLOs count per prompt
     metrics.count_outcome("free", "503")  # no SLO: nothing to miss
 
     def value(name: str, tenant_id: str, slo: str) -> float:
@@ -373,8 +385,8 @@ def test_a_shed_request_misses_each_slo_of_its_tenant() -> None:
     assert counts == {
         ("gold", "ttft"): (2, 1),
         ("gold", "tpot"): (0, 0),
-        ("paced", "ttft"): (1, 0),
-        ("paced", "tpot"): (1, 0),
+        ("paced", "ttft"): (2, 0),
+        ("paced", "tpot"): (2, 0),
         ("free", "ttft"): (0, 0),
         ("free", "tpot"): (0, 0),
     }

@@ -88,6 +88,27 @@ class AdmissionController:
         self._next_ticket_id = 0
         self._lock = threading.Lock()
 
+    def check_request_size(
+        self, tenant: TenantConfig | str, prompt_tokens: int, max_tokens: int
+    ) -> AdmissionDecision | None:
+        """The 400 refusal of a request that no wait can admit (`try_admit`'s first group),
+        counted as a rejection, or None; consumes nothing. The server asks this before any
+        overload decision, so a request that can never run is told so instead of being shed
+        with a Retry-After."""
+        with self._lock:
+            limiter = self._limiter(tenant)
+            refusal = limiter.check_request_size(prompt_tokens, max_tokens)
+            if refusal is None:
+                return None
+            limiter.count_rejection(refusal.reason)
+            return AdmissionDecision(
+                ticket=None,
+                rate_limits=limiter.snapshot(self._clock.monotonic()),
+                reason=refusal.reason,
+                message=refusal.message,
+                param=refusal.param,
+            )
+
     def try_admit(
         self, tenant: TenantConfig | str, prompt_tokens: int, max_tokens: int
     ) -> AdmissionDecision:

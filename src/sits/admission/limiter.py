@@ -88,11 +88,14 @@ class TenantLimiter:
             )
         total = prompt_tokens + max_tokens
         if t.tokens_per_minute is not None and total > t.tokens_per_minute:
+            prompt_alone = prompt_tokens >= t.tokens_per_minute
             return Refusal(
                 RejectReason.REQUEST_TOO_LARGE,
-                f"Request too large: prompt + max_tokens = {total} tokens exceeds tenant "
-                f"'{t.id}''s limit of {t.tokens_per_minute} tokens per minute; lower max_tokens.",
-                param="max_tokens",
+                f"Request too large: {prompt_tokens} prompt tokens + {max_tokens} for the "
+                f"completion (max_tokens x n) = {total} tokens exceeds tenant '{t.id}''s limit "
+                f"of {t.tokens_per_minute} tokens per minute; "
+                + ("shorten the prompt." if prompt_alone else "lower max_tokens."),
+                param="prompt" if prompt_alone else "max_tokens",
             )
         return None
 

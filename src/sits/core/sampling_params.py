@@ -16,6 +16,12 @@ from sits.core.errors import InvalidParameterError
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on samples per request
+# Stop conditions are checked on every generated token, so their number and length bound the
+# per-token cost of a request. OpenAI allows 4 stop strings; vLLM sets no limit, so a limit
+# well above what stop lists hold in practice keeps its users' requests working.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class RequestOutputKind(Enum):
@@ -131,8 +137,17 @@ class SamplingParams:
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS}.")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters.")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                "stop_token_ids",
+                f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}.",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -3,12 +3,13 @@
 `ServerQos.admit` runs, for a request already authenticated and tokenized, in this order (the
 first refusal answers, and a refused request consumes nothing; a half-open probe is handed
 back):
-1. circuit breaker `allow()`: open -> 503, code "circuit_open", Retry-After;
-2. overload policy for the tenant's tier and quota in the current state: shed (red, and the
+1. per-request limits that no wait lifts (`AdmissionController.check_request_size`): 400 with
+   the parameter named, in any overload state (a 503 would invite a hopeless retry);
+2. circuit breaker `allow()`: open -> 503, code "circuit_open", Retry-After;
+3. overload policy for the tenant's tier and quota in the current state: shed (red, and the
    tenant is best-effort or would borrow) -> 503, code "overloaded", Retry-After; yellow's
    "defer" admits: the engine's borrowing tiers make such work wait (`apply_borrowing`);
-3. `AdmissionController.try_admit`: 429 (Retry-After, retry-after-ms, x-ratelimit-*) or 400
-   for per-request limits with the parameter named.
+4. `AdmissionController.try_admit`: 429 (Retry-After, retry-after-ms, x-ratelimit-*).
 `QosTicket.finish(outcome, used_tokens)` runs exactly once per admitted request (the serving
 code calls it in a `finally`): it returns the admission ticket with the real usage (the token
 bucket is reconciled), reports the outcome to the breaker (success for a served request,
@@ -174,12 +175,13 @@ class QosTicket:
         """Retry-After (seconds) of a request shed after admission."""
         return self._qos.settings.shed_retry_after_s
 
-    def finish(self, outcome: Outcome, used_tokens: int) -> None:
+    def finish(self, outcome: Outcome, used_tokens: int, num_prompts: int = 1) -> None:
         """End the request: reconcile tokens, report to the breaker, count the outcome.
 
         Args:
             outcome: how it ended.
             used_tokens: prompt + completion tokens it really consumed (>= 0).
+            num_prompts: its prompts (engine requests), the unit of the SLO counters.
         """
         if self.finished:
             return
@@ -192,7 +194,7 @@ class QosTicket:
             qos.breaker.record_failure()
         elif self.is_probe:
             qos.breaker.release_probe()
-        qos.metrics.count_outcome(self.tenant.id, outcome.value)
+        qos.metrics.count_outcome(self.tenant.id, outcome.value, num_prompts)
 
 
 class ServerQos:
@@ -332,7 +334,7 @@ class ServerQos:
             return None
         return (
             f"its queued work has waited {waited_s:.1f} s, over {admit_s:g} s "
-            f"({START_WITHIN_SHARE:g} x its {limit_s:g} s TTFT limit)"
+            f"({START_WITHIN_SHARE:g} x its {limit_s:g} s first-token limit)"
         )
 
     def would_borrow(self, tenant: TenantConfig) -> bool:
@@ -359,6 +361,9 @@ class ServerQos:
             ServerError: 503 (breaker open, overload shedding), 429 (rate or concurrency
                 limit) or 400 (a per-request limit), with Retry-After / x-ratelimit headers.
         """
+        too_large = self.admission.check_request_size(tenant, prompt_tokens, max_tokens)
+        if too_large is not None:
+            raise _rejection(too_large)
         breaker = self.breaker.allow()
         if not breaker.allowed:
             retry_s = breaker.retry_after_s or 1

@@ -216,6 +216,7 @@ async def start_request(
     """
     tenant = request_tenant(raw)
     trace = request_trace(raw)
+    job = None
     try:
         with trace_admission(trace):
             ticket = ctx.lifecycle.admit()
@@ -228,7 +229,8 @@ async def start_request(
                 ticket.release()
                 raise
     except Exception as exc:
-        ctx.qos.metrics.count_outcome(tenant.id, outcome_of(exc).value)
+        num_prompts = 1 if job is None else len(job.prompts)
+        ctx.qos.metrics.count_outcome(tenant.id, outcome_of(exc).value, num_prompts)
         raise
     if trace is not None:
         trace.watch(job)
@@ -313,7 +315,7 @@ async def serve_job(
         finally:
             ctx.lifecycle.remove_job(job)
             ticket.release()
-            qos.finish(final, job.used_tokens)
+            qos.finish(final, job.used_tokens, len(job.prompts))
             if trace is not None:
                 trace.set_outcome(final)
 
@@ -369,7 +371,7 @@ async def _first_output(job: GenerationJob, qos: QosTicket) -> Any:
     raise ServerError(
         503,
         f"Shed: tenant '{qos.tenant.id}' ({qos.tenant.tier.value}, beyond its reservation) "
-        f"got no first token within its {qos.queue_timeout_s:g} s TTFT limit while "
+        f"got no first token within its {qos.queue_timeout_s:g} s first-token limit while "
         f"queued. Retry after {retry_s} s.",
         type="service_unavailable_error",
         code="overloaded",

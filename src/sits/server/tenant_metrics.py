@@ -13,10 +13,11 @@ takes configured tenant ids (a bounded set), and every other label a fixed set o
   `sits:tenant_time_per_output_token_seconds` (histograms),
   `sits:tenant_slo_requests_total{tenant, slo}` and
   `sits:tenant_slo_met_total{tenant, slo}` (slo: ttft, tpot; attainment = met / requests;
-  a request counts only for the SLOs its tenant has; a request the server sheds (503: red
-  at admission, shed while queued, circuit open) never gets a token and counts as a miss of
-  each, as `sits bench serve` counts it, so attainment is over the requests sent less those
-  refused for the tenant's own faults: 400, 404 and 429);
+  counted per engine request (one per prompt of a request); a request counts only for the
+  SLOs its tenant has; a request the server sheds (503: red at admission, shed while queued,
+  circuit open) never gets a token and counts as a miss of each, once per prompt, as
+  `sits bench serve` counts it, so attainment is over the requests sent less those refused
+  for the tenant's own faults: 400, 404 and 429);
 - read at scrape time (`QosCollector`): from the engine's per-tenant stats
   `sits:tenant_kv_blocks_reserved`, `sits:tenant_kv_blocks_borrowed`,
   `sits:tenant_kv_blocks_used`, `sits:tenant_num_requests_running`,
@@ -127,15 +128,17 @@ class TenantMetrics:
                 self.slo_requests.labels(model_name, tenant.id, slo)
                 self.slo_met.labels(model_name, tenant.id, slo)
 
-    def count_outcome(self, tenant_id: str, outcome: str) -> None:
+    def count_outcome(self, tenant_id: str, outcome: str, num_prompts: int = 1) -> None:
         """One request of the tenant ended with `outcome` (one of `OUTCOMES`); a 503 also
-        misses each SLO the tenant has (module docstring)."""
+        misses each SLO the tenant has once per prompt (`num_prompts`: SLOs are counted per
+        engine request, one per prompt, as for served requests; module docstring)."""
         assert outcome in OUTCOMES, outcome
         self.requests.labels(self.model_name, tenant_id, outcome).inc()
         tenant = self._tenants.get(tenant_id)
         if outcome == "503" and tenant is not None:
-            self._slo(tenant_id, "ttft", tenant.ttft_ms, float("inf"))
-            self._slo(tenant_id, "tpot", tenant.tpot_ms, float("inf"))
+            for _ in range(max(num_prompts, 1)):
+                self._slo(tenant_id, "ttft", tenant.ttft_ms, float("inf"))
+                self._slo(tenant_id, "tpot", tenant.tpot_ms, float("inf"))
 
     def add_prompt_tokens(self, tenant_id: str, num_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name, tenant_id).inc(num_tokens)
