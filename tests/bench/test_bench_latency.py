@@ -42,6 +42,14 @@ def test_latency_counts_every_request_and_step(tmp_path, capsys, monkeypatch) ->
     assert doc["decode_step_ms"]["count"] == 2 * 3
     assert doc["rooflines"]["prefill"]["num_steps"] == 2
     assert doc["rooflines"]["decode"]["num_steps"] == 6
+    # Where a decode step goes: the phases are parts of the steps, so they sum to the mean step.
+    phases = doc["decode_step_phases_ms"]
+    assert set(phases) == {"schedule", "runner", "update", "launch", "shadow", "sync", "other"}
+    assert all(value >= 0 for value in phases.values())
+    parts = phases["schedule"] + phases["runner"] + phases["update"] + phases["other"]
+    assert parts == pytest.approx(doc["decode_step_ms"]["mean"], rel=1e-6)
+    inner = phases["launch"] + phases["shadow"] + phases["sync"]
+    assert inner <= phases["runner"] * (1 + 1e-6)
     for key in ("ttft_ms", "tpot_ms", "decode_step_ms"):
         stats = doc[key]
         assert 0 < stats["p50"] <= stats["p99"]
@@ -50,6 +58,7 @@ def test_latency_counts_every_request_and_step(tmp_path, capsys, monkeypatch) ->
     assert "| (ms) | mean | p50 | p99 | count |" in printed
     assert "| TTFT |" in printed and "| TPOT |" in printed
     assert printed.count("Command: ") == 1
+    assert "Decode step phases (ms per step): schedule " in printed
     for roofline in doc["rooflines"].values():
         check_gpu_only_roofline(doc["model"]["device"], roofline, printed)
 

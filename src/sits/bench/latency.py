@@ -10,11 +10,16 @@ device work). Per request:
 Steps until every request has its first token are "prefill steps"; the rest "decode steps".
 The first `--num-iters-warmup` iterations are not counted. Reported: TTFT, TPOT and iteration
 latency (mean, p50, p99, ms), the decode step time, decode output tok/s (batch / mean step),
-and the rooflines of the prefill and decode steps (`sits.bench.roofline`).
+the rooflines of the prefill and decode steps (`sits.bench.roofline`), and where a decode step
+goes: the mean ms per decode step of the engine's phase counters (`EngineCore.phase_s`:
+schedule, runner, update; within runner `ModelRunner.phase_s`: launch = inputs and the
+forward's launch on the host, shadow = host work while the device runs, sync = waiting for
+the device, then sampling), and "other" = the step's time outside them.
 JSON (`--output-json`, schema "sits.bench.latency/1"): the `base_doc` head plus "workload",
 "ttft_ms", "tpot_ms", "latency_ms", "decode_step_ms", "prefill_step_ms" ({"mean", "p50",
 "p99", "count"}), "decode_output_tokens_per_s", "num_output_tokens", "rooflines"
-{"prefill", "decode"}.
+{"prefill", "decode"}, "decode_step_phases_ms" ({phase: mean ms per decode step}, null
+without decode steps).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class IterationTiming:
         latency_s: start -> the last request finished.
         num_output_tokens: tokens generated.
         prefill_steps, decode_steps: (step duration, its shape) per step of each phase.
+        decode_phase_s: seconds of each engine phase (`phase_counters`) over the decode steps.
     """
 
     ttft_s: list[float] = field(default_factory=list)
@@ -79,6 +85,17 @@ class IterationTiming:
     num_output_tokens: int = 0
     prefill_steps: list[tuple[float, StepShape]] = field(default_factory=list)
     decode_steps: list[tuple[float, StepShape]] = field(default_factory=list)
+    decode_phase_s: dict[str, float] = field(default_factory=dict)
+
+
+def phase_counters(core: Any) -> dict[str, float]:
+    """The engine core's cumulative phase seconds (schedule, runner, update) and its runner's
+    (launch, shadow, sync) when the runner keeps them."""
+    counters = dict(core.phase_s)
+    runner_phases = getattr(getattr(core, "runner", None), "phase_s", None)
+    if runner_phases is not None:
+        counters.update(runner_phases)
+    return counters
 
 
 def run_iteration(
@@ -109,6 +126,7 @@ def run_iteration(
         ):
             core.add_request(request)
     while core.has_unfinished_requests():
+        phases_before = phase_counters(core)
         step_start_s = time.perf_counter()
         outputs = core.step()
         end_s = time.perf_counter()
@@ -124,6 +142,10 @@ def run_iteration(
         if shapes:  # an empty step (nothing scheduled) is not a step of either phase
             steps = timing.prefill_steps if prefill_phase else timing.decode_steps
             steps.append((end_s - step_start_s, shapes[0]))
+            if not prefill_phase:
+                for name, total_s in phase_counters(core).items():
+                    spent_s = total_s - phases_before.get(name, 0.0)
+                    timing.decode_phase_s[name] = timing.decode_phase_s.get(name, 0.0) + spent_s
     timing.latency_s = time.perf_counter() - start_s
     timing.ttft_s = [first_s[r] - start_s for r in first_s]
     if output_len >= 2:
@@ -194,6 +216,7 @@ def latency_doc(
         None if not decode else args.batch_size / (decode_step["mean"] / 1e3)
     )
     doc["num_output_tokens"] = [t.num_output_tokens for t in timings]
+    doc["decode_step_phases_ms"] = _phases_ms(timings, len(decode), sum(s for s, _ in decode))
     doc["rooflines"] = {
         "prefill": step_roofline(
             llm, "prefill steps", [s for _, s in prefill], sum(s for s, _ in prefill)
@@ -203,6 +226,35 @@ def latency_doc(
         ),
     }
     return doc
+
+
+def _phases_ms(
+    timings: list[IterationTiming], num_steps: int, steps_s: float
+) -> dict[str, float] | None:
+    """Mean ms per decode step of each engine phase, plus "other" (the steps' time outside
+    the core's schedule, runner and update phases); None without decode steps."""
+    if not num_steps:
+        return None
+    totals: dict[str, float] = {}
+    for timing in timings:
+        for name, seconds in timing.decode_phase_s.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    core_s = sum(totals.get(name, 0.0) for name in ("schedule", "runner", "update"))
+    totals["other"] = max(steps_s - core_s, 0.0)
+    return {name: seconds / num_steps * 1e3 for name, seconds in totals.items()}
+
+
+def _phase_line(phases: dict[str, float] | None) -> str | None:
+    """`Decode step phases (ms per step): schedule 0.10, runner 11.60 (launch 0.30, ...)`."""
+    if phases is None:
+        return None
+    inner = [
+        f"{name} {phases[name]:.2f}" for name in ("launch", "shadow", "sync") if name in phases
+    ]
+    runner = f"runner {phases.get('runner', 0.0):.2f}" + (f" ({', '.join(inner)})" if inner else "")
+    parts = [f"schedule {phases.get('schedule', 0.0):.2f}", runner]
+    parts += [f"update {phases.get('update', 0.0):.2f}", f"other {phases['other']:.2f}"]
+    return "Decode step phases (ms per step): " + ", ".join(parts)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -238,6 +290,9 @@ def format_latency(doc: dict[str, Any], with_command: bool = True) -> str:
         f"{fraction_text(doc['rooflines']['decode'])}, prefill roofline "
         f"{fraction_text(doc['rooflines']['prefill'])}"
     )
+    phase_line = _phase_line(doc.get("decode_step_phases_ms"))
+    if phase_line is not None:
+        lines.append(phase_line)
     lines.append("")
     lines += markdown_table(["(ms)", "mean", "p50", "p99", "count"], rows)
     return "\n".join(lines)
