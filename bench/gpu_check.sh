@@ -88,13 +88,17 @@ if has tests; then
     tests/engine/test_host_prefix_copy.py tests/engine/test_swap_copy.py \
     tests/engine/test_expert_spares_gpu.py
 fi
-if has decode; then
-  run decode_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
+# The issue-4 qwen3 latency targets, run by `decode` and `targets` under their own names.
+qwen3_latency() {  # qwen3_latency PREFIX: batch 10 2048/1024 and batch 1 512/256
+  run "$1_qwen3_b10" sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
     --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
-    --output-json "$OUT_DIR/decode_qwen3_b10.json"
-  run decode_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
+    --output-json "$OUT_DIR/$1_qwen3_b10.json"
+  run "$1_qwen3_b1" sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
     --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 \
-    --output-json "$OUT_DIR/decode_qwen3_b1.json"
+    --output-json "$OUT_DIR/$1_qwen3_b1.json"
+}
+if has decode; then
+  qwen3_latency decode
   run decode_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
     --output-json "$OUT_DIR/decode_qwen3_offline.json"
@@ -155,12 +159,7 @@ if has targets; then
   run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
     --peer transformers ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_qwen3_offline.json"
-  run target_qwen3_b10 sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
-    --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
-    --output-json "$OUT_DIR/target_qwen3_b10.json"
-  run target_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
-    --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 \
-    --output-json "$OUT_DIR/target_qwen3_b1.json"
+  qwen3_latency target
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
     --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
     ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_llama8b.json"

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sits.core.outputs import RequestOutput
+from sits.core.outputs import RequestMetrics, RequestOutput
 from sits.server.engine_client import EngineClient
 from sits.server.jobs import EnginePrompt, OutputObserver
 from sits.server.tenant_metrics import TenantMetrics
@@ -398,7 +398,6 @@ class RequestRecorder(OutputObserver):
         self.received_s = received_s
         self.num_prompt_tokens = num_prompt_tokens
         self.num_samples = num_samples
-        self.saw_output = False
         self.counted_prompt = False
         self.saw_first_token = False
         self.last_token_time: float | None = None
@@ -421,18 +420,8 @@ class RequestRecorder(OutputObserver):
         label = self.m.model_name
         metrics = output.metrics
         self.last_output = output
-        scheduled = metrics is not None and metrics.first_scheduled_time is not None
-        if not self.saw_output:
-            self.saw_output = True
-            if scheduled:
-                queued_s = metrics.first_scheduled_time - metrics.arrival_time
-                self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
-        if not self.counted_prompt and (scheduled or metrics is None):
-            # A request shed while queued was never scheduled: its prompt was not processed.
-            self.counted_prompt = True
-            self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
-            if self.t is not None:
-                self.t.add_prompt_tokens(self.tenant.id, self.num_prompt_tokens)
+        if not self.counted_prompt:
+            self._count_prompt(metrics)
         num_new = 0
         for sample in output.outputs:
             num_new += len(sample.token_ids)
@@ -452,6 +441,21 @@ class RequestRecorder(OutputObserver):
             self._observe_tpot(output)
             self._observe_phases(output)
             self._record_end(metrics.finished_time, self.finish_reason or "stop")
+
+    def _count_prompt(self, metrics: RequestMetrics | None) -> None:
+        """Count the prompt tokens and the queue time once, when an output shows the request
+        was scheduled (or carries no metrics): a request shed while queued never was, and
+        its prompt was not processed."""
+        if metrics is not None and metrics.first_scheduled_time is None:
+            return
+        self.counted_prompt = True
+        label = self.m.model_name
+        self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+        if self.t is not None:
+            self.t.add_prompt_tokens(self.tenant.id, self.num_prompt_tokens)
+        if metrics is not None:
+            queued_s = metrics.first_scheduled_time - metrics.arrival_time
+            self.m.queue_time.labels(label).observe(max(queued_s, 0.0))
 
     def _observe_token_times(self, output: RequestOutput) -> None:
         metrics = output.metrics

@@ -45,7 +45,6 @@ from sits.server.protocol_chat import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from sits.server.received import received_at
 from sits.server.serving_common import (
     Item,
     PromptResult,
@@ -53,6 +52,7 @@ from sits.server.serving_common import (
     check_prompt_ids,
     check_text,
     drop_double_bos,
+    request_job,
     results_usage,
     serve_job,
     start_request,
@@ -255,14 +255,7 @@ async def create_chat_completion(
         ctx.check_model(req.model)
         check_chat_request(req)
         prompts.append(build_chat_prompt(req, ctx, tenant))
-        return ctx.new_job(
-            "chatcmpl",
-            prompts,
-            tenant,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            received_s=received_at(raw),
-        )
+        return request_job(ctx, raw, req, "chatcmpl", prompts, tenant)
 
     ticket, qos, job = await start_request(ctx, raw, prepare)
     renderer = _ChatRenderer(ctx, req, prompts[0], job.request_id)

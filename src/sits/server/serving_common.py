@@ -43,11 +43,12 @@ from sits.server.auth import request_tenant, require_tenant
 from sits.server.context import ServerContext
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
-from sits.server.jobs import GenerationJob, was_dropped_unstarted
+from sits.server.jobs import EnginePrompt, GenerationJob, was_dropped_unstarted
 from sits.server.lifecycle import Ticket
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos import Outcome, QosTicket, outcome_of
 from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.server.received import received_at
 from sits.server.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -197,6 +198,26 @@ def results_usage(results: list[PromptResult], with_details: bool = False) -> Us
         [len(r.prompt_token_ids) for r in results],
         [len(s.token_ids) for r in results for s in r.samples],
         sum(r.num_cached_tokens for r in results) if with_details else None,
+    )
+
+
+def request_job(
+    ctx: ServerContext,
+    raw: Request,
+    req: Any,
+    prefix: str,
+    prompts: list[EnginePrompt],
+    tenant: TenantConfig,
+) -> GenerationJob:
+    """`ctx.new_job` for an OpenAI request `req` (chat or completion): its `priority` and
+    `cache_salt`, and the HTTP receipt time of `raw` (`server.received`)."""
+    return ctx.new_job(
+        prefix,
+        prompts,
+        tenant,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        received_s=received_at(raw),
     )
 
 

@@ -41,13 +41,13 @@ from sits.server.protocol_completion import (
     CompletionStreamChoice,
     CompletionStreamResponse,
 )
-from sits.server.received import received_at
 from sits.server.serving_common import (
     Item,
     PromptResult,
     check_output,
     check_prompt_ids,
     encode_prompt,
+    request_job,
     results_usage,
     serve_job,
     start_request,
@@ -278,14 +278,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         check_completion_request(req)
         base = completion_sampling_params(req, req.max_tokens)
         prompts.extend(build_prompts(req, ctx, base, tenant))
-        return ctx.new_job(
-            "cmpl",
-            prompts,
-            tenant,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            received_s=received_at(raw),
-        )
+        return request_job(ctx, raw, req, "cmpl", prompts, tenant)
 
     ticket, qos, job = await start_request(ctx, raw, prepare)
     renderer = _CompletionRenderer(ctx, req, prompts, job.request_id)
