@@ -212,6 +212,23 @@ def test_per_request_limits_are_400_naming_the_param(live) -> None:
     assert scrape(live)("sits:tenant_requests_total", tenant="small", outcome="400") == 2
 
 
+def test_a_chats_per_request_400_names_the_chats_own_fields(live) -> None:
+    long_chat = [{"role": "user", "content": "Tell me a long story about the sea. " * 4}]
+    short_chat = [{"role": "user", "content": "hi"}]
+    with live.http() as http:
+        replies = [
+            http.post("/v1/chat/completions", json=body, headers=auth("small"))
+            for body in (
+                {"messages": short_chat, "max_completion_tokens": 9},
+                {"messages": short_chat, "max_tokens": 9},
+                {"messages": long_chat, "max_tokens": 2},
+            )
+        ]
+    assert [r.status_code for r in replies] == [400, 400, 400]
+    params = [r.json()["error"]["param"] for r in replies]
+    assert params == ["max_completion_tokens", "max_tokens", "messages"]
+
+
 def test_an_unset_max_tokens_takes_the_tenants_limit(live) -> None:
     """OpenAI's clients leave max_tokens out: for chat (and a null max_tokens in completions)
     it stands for the rest of the context, which a tenant's max_tokens_per_request (8 here)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -349,13 +350,21 @@ class ServerQos:
         return own.blocks_used >= own.blocks_reserved or own.num_running >= own.seqs_reserved
 
     # --- admission -------------------------------------------------------------------------
-    def admit(self, tenant: TenantConfig, prompt_tokens: int, max_tokens: int) -> QosTicket:
+    def admit(
+        self,
+        tenant: TenantConfig,
+        prompt_tokens: int,
+        max_tokens: int,
+        param_names: Mapping[str, str] | None = None,
+    ) -> QosTicket:
         """Admit one request (checks in the module docstring's order).
 
         Args:
             tenant: the authenticated tenant.
             prompt_tokens: the request's prompt tokens (all its prompts).
             max_tokens: the most tokens it may generate (all prompts and samples).
+            param_names: the request's own names for the parameters a 400 blames ("prompt",
+                "max_tokens"), e.g. a chat's {"prompt": "messages"}; None: those names.
 
         Raises:
             ServerError: 503 (breaker open, overload shedding), 429 (rate or concurrency
@@ -363,7 +372,7 @@ class ServerQos:
         """
         too_large = self.admission.check_request_size(tenant, prompt_tokens, max_tokens)
         if too_large is not None:
-            raise _rejection(too_large)
+            raise _rejection(too_large, param_names)
         breaker = self.breaker.allow()
         if not breaker.allowed:
             retry_s = breaker.retry_after_s or 1
@@ -425,8 +434,11 @@ class ServerQos:
         )
 
 
-def _rejection(decision: AdmissionDecision) -> ServerError:
-    """The ServerError of an admission refusal (429 retryable, 400 per-request limit)."""
+def _rejection(
+    decision: AdmissionDecision, param_names: Mapping[str, str] | None = None
+) -> ServerError:
+    """The ServerError of an admission refusal (429 retryable, 400 per-request limit, its
+    parameter renamed by `param_names`)."""
     reason, message = decision.reason, decision.message
     assert reason is not None
     headers = ratelimit_headers(decision)
@@ -438,4 +450,7 @@ def _rejection(decision: AdmissionDecision) -> ServerError:
             else "rate_limit_exceeded"
         )
         return ServerError(429, message, type=kind, code=code, headers=headers)
-    return ServerError(400, message, param=decision.param, code=reason.value, headers=headers)
+    param = decision.param
+    if param_names is not None and param is not None:
+        param = param_names.get(param, param)
+    return ServerError(400, message, param=param, code=reason.value, headers=headers)

@@ -257,7 +257,9 @@ async def create_chat_completion(
         prompts.append(build_chat_prompt(req, ctx, tenant))
         return request_job(ctx, raw, req, "chatcmpl", prompts, tenant)
 
-    ticket, qos, job = await start_request(ctx, raw, prepare)
+    # A per-request limit's 400 names the chat's own fields.
+    names = {"prompt": "messages", "max_tokens": chat_max_tokens_field(req)[0]}
+    ticket, qos, job = await start_request(ctx, raw, prepare, names)
     renderer = _ChatRenderer(ctx, req, prompts[0], job.request_id)
     return await serve_job(
         ctx,

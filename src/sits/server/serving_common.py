@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +222,10 @@ def request_job(
 
 
 async def start_request(
-    ctx: ServerContext, raw: Request, prepare: Callable[[TenantConfig], GenerationJob]
+    ctx: ServerContext,
+    raw: Request,
+    prepare: Callable[[TenantConfig], GenerationJob],
+    param_names: Mapping[str, str] | None = None,
 ) -> tuple[Ticket, QosTicket, GenerationJob]:
     """Admit a generation request (see the module docstring).
 
@@ -231,6 +234,8 @@ async def start_request(
         raw: the HTTP request (its tenant was set by the auth dependency).
         prepare: checks and tokenizes the request and builds its job for the tenant; runs
             on `ctx.tokenize_executor` (with the caller's context variables).
+        param_names: the request's names for "prompt" and "max_tokens" in a per-request
+            limit's 400 (`ServerQos.admit`); None: those names.
 
     Raises:
         ServerError, SitsError: refusals (503, 429, 400, 404), counted per tenant.
@@ -245,7 +250,7 @@ async def start_request(
                 job = await ctx.run_tokenizer(prepare, tenant)
                 prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
                 max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)
-                qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens)
+                qos = ctx.qos.admit(tenant, prompt_tokens, max_tokens, param_names)
             except BaseException:
                 ticket.release()
                 raise
