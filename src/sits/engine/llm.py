@@ -1,7 +1,10 @@
 """`LLM`: the offline, synchronous API (vLLM's `LLM`): generate and chat over a batch of prompts.
 
 All prompts are queued at once and the engine steps until every one has finished, so they
-are batched continuously. Outputs come back in the order of the prompts.
+are batched continuously. Outputs come back in the order of the prompts. A step's outputs
+are detokenized and checked for stop strings while the device runs the next step (the
+runner's `while_gpu_runs`); a stop string so found ends its request after that step, whose
+one extra token is dropped, so outputs are as if checked at once.
 With `skip_tokenizer_init=True` prompts must be token ids ({"prompt_token_ids": [...]}),
 outputs carry token ids and empty text, and stop strings and `chat` are refused.
 With spare expert slots (`num_spare_experts` > 0) the MoE experts are read every
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
-from sits.core.outputs import RequestOutput
+from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.request import FinishReason
 from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.builder import build_engine
@@ -182,15 +186,35 @@ class LLM:
             )
             for child in children:
                 core.add_request(child)
-        while core.has_unfinished_requests():
-            processed = processor.process(core.step())
-            if self.experts is not None and core.num_steps % EXPERT_READ_PERIOD_STEPS == 0:
-                self.experts.read(core.num_steps)  # between steps: may restore experts
-            for child_id, stop_str in processed.stop_requests:
-                core.finish_requests([child_id], FinishReason.STOP, stop_str)
+        # A step's outputs are processed (detokenized, stop strings checked) while the device
+        # runs the next step; a stop string found there ends its request after that step,
+        # whose one extra token the processor ignores (its sample is finished).
+        pending: tuple[list[EngineCoreOutput], float] | None = None
+        stops: list[tuple[str, str]] = []
+
+        def take_pending() -> None:
+            nonlocal pending
+            if pending is None:
+                return
+            processed = processor.process(*pending)
+            pending = None
+            stops.extend(processed.stop_requests)
             for _, out in processed.request_outputs:
                 if out.finished:
                     finished[out.request_id] = out
+
+        while core.has_unfinished_requests() or pending is not None:
+            if not core.has_unfinished_requests():
+                take_pending()  # the last step's outputs
+            else:
+                outputs = core.step(take_pending)
+                take_pending()  # a step with nothing scheduled does not call it
+                pending = (outputs, time.monotonic())
+                if self.experts is not None and core.num_steps % EXPERT_READ_PERIOD_STEPS == 0:
+                    self.experts.read(core.num_steps)  # between steps: may restore experts
+            for child_id, stop_str in stops:
+                core.finish_requests([child_id], FinishReason.STOP, stop_str)
+            stops.clear()
         if self.experts is not None:
             self.experts.read(core.num_steps)
         return [finished[b[0]] for b in batches]

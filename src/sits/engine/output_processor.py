@@ -170,10 +170,18 @@ class OutputProcessor:
     def num_requests(self) -> int:
         return len(self._parents)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Apply one step's engine outputs; returns what to deliver and what to stop."""
+    def process(
+        self, outputs: list[EngineCoreOutput], now_s: float | None = None
+    ) -> ProcessedOutputs:
+        """Apply one step's engine outputs; returns what to deliver and what to stop.
+
+        Args:
+            outputs: the step's engine outputs.
+            now_s: time.monotonic() seconds when the step ended, for the token times in
+                the request metrics (default: now).
+        """
         batch = ProcessedOutputs()
-        now = time.monotonic()
+        now = time.monotonic() if now_s is None else now_s
         touched: dict[str, _Parent] = {}
         for out in outputs:
             entry = self._children.get(out.request_id)
