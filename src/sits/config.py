@@ -43,6 +43,10 @@ class EngineConfig:
             only, and not with enforce_eager): on an H200 they took the qwen3-30b-a3b offline
             run from 4,982 to 5,485 output tok/s and a cached-prefix request's TTFT from 65.8
             to 13.6 ms (bench/RESULTS.md).
+        async_scheduling: plan and launch step N+1 while the device runs step N
+            (`sits.engine.async_step`): the host's scheduling and input preparation overlap
+            the model; a request that ends on EOS or a stop token computes one extra decode,
+            dropped. Off by default.
         cpu_offload_gb: GiB of host memory (pinned on CUDA) for a host KV tier: preempted
             requests swap their blocks out and back instead of recomputing when cheaper.
             0 (the default): no host tier, recompute-only preemption. Any kv_cache_dtype:
@@ -83,6 +87,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     mixed_step_cuda_graphs: bool = True
+    async_scheduling: bool = False
     cpu_offload_gb: float = 0
     load_format: str = "auto"
     skip_tokenizer_init: bool = False

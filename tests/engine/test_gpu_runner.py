@@ -110,3 +110,29 @@ def test_mixed_step_graphs_equal_eager(tiny_model_factory, arch: str, budget: in
         elif not mixed:
             assert llm.engine_core.pacer.token_buckets == ()
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_async_scheduling_equals_sync_on_gpu(tiny_model_factory, arch: str) -> None:
+    """Async scheduling on CUDA (decode graphs, mixed-step graphs, the placeholder ids filled
+    on the device): the same greedy tokens and seeded samples as synchronous steps, with
+    requests ending at different steps on stop tokens and lengths."""
+    model_dir = tiny_model_factory(arch)
+    prompts = random_prompts([3, 9, 17, 30, 64, 5, 12], _config(model_dir)["vocab_size"], seed=6)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _llm(model_dir).generate(inputs, free)
+    params = []
+    for i, out in enumerate(ref):
+        stop = [out.outputs[0].token_ids[2 + 3 * i]] if i % 2 == 0 else []
+        params.append(
+            SamplingParams(temperature=0, max_tokens=14 + i, stop_token_ids=stop, ignore_eos=True)
+        )
+    params += [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(3)]
+    inputs += inputs[:3]
+    results = {}
+    for mode in (False, True):
+        outs = _llm(model_dir, async_scheduling=mode).generate(inputs, params)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    assert results[True] == results[False]
+    assert [r for _, r in results[True]].count("stop") >= 3

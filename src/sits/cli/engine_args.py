@@ -82,6 +82,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "saves their capture time and memory at startup; --enforce-eager turns all graphs off",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="plan and launch the next step while the device runs this one, so the host's "
+        "scheduling overlaps the model (as vLLM's --async-scheduling); requests with "
+        "logprobs or penalties run their steps synchronously. Off by default",
+    )
+    parser.add_argument(
         "--cpu-offload-gb",
         type=float,
         default=0,
@@ -135,6 +143,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "enforce_eager": args.enforce_eager,
         "mixed_step_cuda_graphs": args.mixed_step_cuda_graphs,
+        "async_scheduling": args.async_scheduling,
         "cpu_offload_gb": args.cpu_offload_gb,
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
-from sits.core.plan import ScheduledRequest
+from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request, RequestStatus
+from sits.engine.async_step import StepPipeline
 from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import recorder_from_env
 from sits.runner.model_info import ModelInfo
@@ -65,6 +66,26 @@ class PrefillChunk:
     end_s: float
     start_position: int
     num_tokens: int
+
+
+@dataclass(slots=True)
+class PlannedStep:
+    """A scheduled step on its way through the runner (`EngineCore.plan_step`).
+
+    Attributes:
+        plan: the scheduler's plan.
+        start_s: clock seconds when planning began; scheduled_s: when the plan was made.
+        expired: outputs of requests dropped at their start deadline before planning.
+        prefills: its prompt chunks and recomputes (counted before `update`).
+        tokens_by_tenant: tokens scheduled per tenant (`Scheduler.last_tokens_by_tenant`).
+    """
+
+    plan: StepPlan
+    start_s: float
+    scheduled_s: float
+    expired: list[EngineCoreOutput]
+    prefills: list[ScheduledRequest]
+    tokens_by_tenant: dict[str, int]
 
 
 def split_step_time(tokens_by_tenant: Mapping[str, int], step_s: float) -> dict[str, float]:
@@ -187,6 +208,7 @@ class EngineCore:
         self._unreported_first_scheduled: set[str] = set()
         self.record_request_chunks = False
         self._unreported_chunks: dict[str, list[tuple[float, int]]] = {}
+        self.pipeline = StepPipeline(self) if config.async_scheduling else None
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise at once if a request can never be served.
@@ -246,6 +268,9 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests not finished, or (async scheduling) a step still to collect."""
+        if self.pipeline is not None and self.pipeline.busy:
+            return True
         return self.scheduler.has_unfinished_requests()
 
     def tenant_stats(self) -> dict[str, TenantSchedStats]:
@@ -264,6 +289,10 @@ class EngineCore:
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Run one engine step.
 
+        With `config.async_scheduling` the next step is planned and launched before this one's
+        tokens are read back (`sits.engine.async_step`), so the host's planning overlaps the
+        device; the outputs are the same, one step at a time.
+
         Args:
             while_gpu_runs: host work to do while the step's forward runs on the device
                 (`ModelRunner.run`); not called when nothing was scheduled.
@@ -273,6 +302,19 @@ class EngineCore:
         """
         if self.step_profiler is not None:
             self.step_profiler.before_step(self.num_steps + 1)
+        if self.pipeline is not None:
+            outputs = self.pipeline.step(while_gpu_runs)
+        else:
+            planned = self.plan_step()
+            result = self.runner.run(planned.plan, while_gpu_runs)
+            ran_s = self.clock()
+            outputs = self.account_step(planned, ran_s, self.scheduler.update(planned.plan, result))
+        if self.step_profiler is not None:
+            self.step_profiler.after_step(self.num_steps)
+        return outputs
+
+    def plan_step(self) -> PlannedStep:
+        """Drop requests past their start deadline, then schedule (with pacing and reclaims)."""
         start_s = self.clock()
         expired = self._drop_unstarted(start_s) if self._start_deadlines else []
         max_prefill_tokens = None
@@ -290,20 +332,43 @@ class EngineCore:
             reclaim = self.scheduler.reclaim_due_tenants(start_s, RECLAIM_PATIENCE)
         plan = self.scheduler.schedule(max_prefill_tokens, reclaim)
         now = self.clock()
+        self.phase_s["schedule"] += now - start_s
         for sr in plan.scheduled:
             if sr.request_id not in self._first_scheduled_s:
                 self._first_scheduled_s[sr.request_id] = now
                 self._unreported_first_scheduled.add(sr.request_id)
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
         prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
-        result = self.runner.run(plan, while_gpu_runs)
-        ran_s = self.clock()
+        return PlannedStep(
+            plan, start_s, now, expired, prefills, self.scheduler.last_tokens_by_tenant
+        )
+
+    def account_step(
+        self,
+        planned: PlannedStep,
+        ran_s: float,
+        outputs: list[EngineCoreOutput],
+        device_start_s: float | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Counters, tenant charges, pacing and output fields of a step whose `update` gave
+        `outputs`. ran_s: when its tokens were back. The step's time runs from its planning
+        (its prefill time from its plan) to the end of its update; with async scheduling from
+        `device_start_s`, when the device could start it (launched, the step before done).
+
+        Returns:
+            The step's outputs, its start-deadline expiries first.
+        """
+        plan, now, prefills = planned.plan, planned.scheduled_s, planned.prefills
         if self.step_shapes is not None and plan.scheduled:
             self.step_shapes.record(plan, ran_s - now)
-        outputs = self.scheduler.update(plan, result)
         end_s = self.clock()
+        if device_start_s is None:
+            busy_s, step_s = end_s - now, end_s - planned.start_s
+            chunk_start_s, chunk_end_s = now, end_s
+        else:  # async: the device ran it from device_start_s until its tokens were back
+            busy_s = step_s = end_s - device_start_s
+            chunk_start_s, chunk_end_s = device_start_s, ran_s
         phase_s = self.phase_s
-        phase_s["schedule"] += now - start_s
         phase_s["runner"] += ran_s - now
         phase_s["update"] += end_s - ran_s
         num_decodes = len(plan.scheduled) - len(prefills)
@@ -313,21 +378,23 @@ class EngineCore:
         if prefills:
             self.num_prefill_tokens += num_prefill_tokens
             self.num_prefill_chunks += len(prefills)
-            self.prefill_busy_s += end_s - now
+            self.prefill_busy_s += busy_s
             self.prefill_chunks.extend(
-                PrefillChunk(sr.request_id, now, end_s, sr.start_position, sr.num_tokens)
+                PrefillChunk(
+                    sr.request_id, chunk_start_s, chunk_end_s, sr.start_position, sr.num_tokens
+                )
                 for sr in prefills
             )
             if self.record_request_chunks:
                 for sr in prefills:
                     chunks = self._unreported_chunks.setdefault(sr.request_id, [])
-                    chunks.append((end_s, sr.num_tokens))
-        self._charge(self.scheduler.last_tokens_by_tenant, end_s - start_s)
+                    chunks.append((chunk_end_s, sr.num_tokens))
+        self._charge(planned.tokens_by_tenant, step_s)
         if self.pacer.enabled and plan.scheduled:
             step_tokens = num_decodes + num_prefill_tokens
             self.pacer.observe_step(
                 self.pacer.padded_tokens(step_tokens) if prefills else 0,
-                end_s - start_s,
+                step_s,
                 end_s,
                 (out.request_id for out in outputs if out.new_token_ids),
                 (out.request_id for out in outputs if out.finished),
@@ -340,8 +407,7 @@ class EngineCore:
                 out.prefill_chunks = self._unreported_chunks.pop(out.request_id, None)
             if out.finished:
                 self._first_scheduled_s.pop(out.request_id, None)
-        if self.step_profiler is not None:
-            self.step_profiler.after_step(self.num_steps)
+        expired = planned.expired
         return expired + outputs if expired else outputs
 
     def _drop_unstarted(self, now_s: float) -> list[EngineCoreOutput]:

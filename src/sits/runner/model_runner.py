@@ -21,13 +21,21 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from sits.config import EngineConfig
 from sits.core.outputs import TokenLogprobs
-from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
+from sits.core.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
+from sits.core.sampling_params import SamplingParams
 from sits.layers.forward_context import ForwardContext
 from sits.models.loader import load_model
 from sits.runner.backends import graph_safe, select_attention_backend, select_moe_backend
@@ -49,8 +57,41 @@ from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState, make_generator
+from sits.utils.device_tensor import to_device
 
 logger = logging.getLogger(__name__)
+
+
+def needs_host_tokens(params: SamplingParams) -> bool:
+    """True when sampling for these parameters needs every earlier token on the host (or
+    returns logprobs, read back with their token): such a request's steps are not launched
+    ahead (`ModelRunner.can_launch`)."""
+    return (
+        params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step `ModelRunner.launch` started: what `collect` and the next `launch` need.
+
+    Attributes:
+        plan: the step's plan.
+        sampled_ids: ids of the requests it samples, in row order.
+        row_of: request id -> its row in `token_ids`.
+        token_ids: [num_sampled] int64 sampled tokens on the device, or None (none sampled).
+        host_token_ids: (pinned host copy being made, its CUDA event or None on the CPU).
+    """
+
+    plan: StepPlan
+    sampled_ids: list[str]
+    row_of: dict[str, int]
+    token_ids: Tensor | None
+    host_token_ids: tuple[Tensor, torch.cuda.Event | None] | None
 
 
 class ModelRunner:
@@ -153,6 +194,12 @@ class ModelRunner:
         self._prompt_logprobs_done: dict[str, int] = {}
         self.phase_s = {"launch": 0.0, "shadow": 0.0, "sync": 0.0}
         self.num_rows_run = 0
+        self._sync_ids: set[str] = set()  # requests `launch` cannot run (`needs_host_tokens`)
+        pin = self.device.type == "cuda"
+        self._read_back_buffers = [
+            torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]  # [max_num_seqs] each: sampled tokens read back (`_read_back`)
+        self._read_back_turn = 0
 
     def _setup_fast_path(
         self, config: EngineConfig, num_kv_heads: int, head_dim: int, warm_up: bool | None
@@ -241,17 +288,7 @@ class ModelRunner:
             and prompt logprobs where asked.
         """
         start_s = time.monotonic()
-        for request_id in plan.finished_request_ids:
-            self._states.pop(request_id, None)
-            self._prompt_logprobs_done.pop(request_id, None)
-            self._prompt_logprob_ids.discard(request_id)
-        for new in plan.new_requests:
-            self._states[new.request_id] = self._new_state(new)
-            if new.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprob_ids.add(new.request_id)
-        if plan.swap_out or plan.swap_in:
-            assert self.host_kv is not None, "swaps planned without a host tier"
-            self.host_kv.copy_blocks(self.kv_caches, plan.swap_out, plan.swap_in)
+        self._begin(plan)
         result = StepResult()
         if plan.is_empty:
             return result
@@ -270,9 +307,127 @@ class ModelRunner:
         phase_s["sync"] += time.monotonic() - shadow_end_s
         return result
 
-    def _forward(self, plan: StepPlan) -> tuple[Tensor, list[int]]:
+    def _begin(self, plan: StepPlan) -> None:
+        """A step's bookkeeping before its forward: drop finished requests' sampling state,
+        make new requests' state, and copy the planned KV swaps."""
+        for request_id in plan.finished_request_ids:
+            self._states.pop(request_id, None)
+            self._prompt_logprobs_done.pop(request_id, None)
+            self._prompt_logprob_ids.discard(request_id)
+            self._sync_ids.discard(request_id)
+        for new in plan.new_requests:
+            self._states[new.request_id] = self._new_state(new)
+            params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_logprob_ids.add(new.request_id)
+            if needs_host_tokens(params):
+                self._sync_ids.add(new.request_id)
+        if plan.swap_out or plan.swap_in:
+            assert self.host_kv is not None, "swaps planned without a host tier"
+            self.host_kv.copy_blocks(self.kv_caches, plan.swap_out, plan.swap_in)
+
+    def can_launch(self, plan: StepPlan) -> bool:
+        """True when `launch` may run the plan: none of its requests asks for logprobs,
+        prompt logprobs or penalties (those need every token on the host first)."""
+        sync_ids = self._sync_ids
+        if sync_ids and any(sr.request_id in sync_ids for sr in plan.scheduled):
+            return False
+        return not any(needs_host_tokens(new.sampling_params) for new in plan.new_requests)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        """Async scheduling: start the plan's forward and sampling on the device and return
+        without waiting for them; `collect` reads the tokens back.
+
+        Args:
+            plan: a non-empty plan that `can_launch` accepts. Its placeholder input ids
+                (`sched.ahead.PLACEHOLDER_TOKEN_ID`, each a request's last token) are the
+                tokens `previous` sampled; the device fills them in before the forward.
+            previous: the step launched before this one, not collected yet, or None.
+
+        Returns:
+            The launched step, to pass to `collect` (and to the next `launch`).
+        """
+        start_s = time.monotonic()
+        self._begin(plan)
+        hidden, last_indices = self._forward(plan, previous)  # [num_tokens (+ padding), hidden]
+        self.num_rows_run += hidden.shape[0]
+        picked = [sr for sr in plan.scheduled if sr.sample]
+        ids = [sr.request_id for sr in picked]
+        launched = LaunchedStep(plan, ids, {rid: row for row, rid in enumerate(ids)}, None, None)
+        if picked:
+            rows = self._sample_rows(plan, picked, last_indices)
+            states = [self._states[request_id] for request_id in ids]
+            for state, sr in zip(states, picked):
+                state.output_token_ids = sr.output_token_ids
+            if rows[-1] == len(rows) - 1:  # rows 0..k-1: a decode step
+                last_hidden = hidden[: len(rows)]
+            else:
+                last_hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
+            logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab] float32
+            launched.token_ids = self.sampler.sample_tokens(logits, states)  # [num_sampled]
+            launched.host_token_ids = self._read_back(launched.token_ids)
+        self.phase_s["launch"] += time.monotonic() - start_s
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's sampled tokens and return them as its `StepResult`."""
+        start_s = time.monotonic()
+        result = StepResult()
+        if launched.host_token_ids is not None:
+            host, event = launched.host_token_ids
+            if event is not None:
+                event.synchronize()
+            result.sampled_token_ids.update(zip(launched.sampled_ids, host.tolist()))
+        self.phase_s["sync"] += time.monotonic() - start_s
+        return result
+
+    def _read_back(self, token_ids: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Start copying [n] sampled tokens to pinned host memory (two buffers taken in turn:
+        a step's copy is read before the buffer comes round again); (host view, event)."""
+        n = token_ids.shape[0]
+        if self.device.type != "cuda":
+            return token_ids, None
+        self._read_back_turn ^= 1
+        host = self._read_back_buffers[self._read_back_turn][:n]
+        host.copy_(token_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _sample_rows(
+        self, plan: StepPlan, picked: list[ScheduledRequest], last_indices: list[int]
+    ) -> list[int]:
+        """Flat indices of the sampled requests' last tokens (all rows of a decode step)."""
+        if len(picked) == len(plan.scheduled):
+            return last_indices
+        return [last for sr, last in zip(plan.scheduled, last_indices) if sr.sample]
+
+    def _feed(self, plan: StepPlan, previous: LaunchedStep, input_ids: Tensor) -> None:
+        """Write the tokens `previous` sampled into the prepared step's placeholder input ids
+        (on the device, in stream order after `previous`'s sampling)."""
+        dst_rows: list[int] = []
+        src_rows: list[int] = []
+        row_of = previous.row_of
+        offset = 0
+        for sr in plan.scheduled:
+            offset += len(sr.token_ids)
+            if sr.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                dst_rows.append(offset - 1)
+                src_rows.append(row_of[sr.request_id])
+        if not dst_rows:
+            return
+        assert previous.token_ids is not None
+        dst = to_device(dst_rows, torch.long, self.device)  # [n]
+        src = to_device(src_rows, torch.long, self.device)  # [n]
+        input_ids.index_copy_(0, dst, previous.token_ids.index_select(0, src))
+
+    def _forward(
+        self, plan: StepPlan, previous: LaunchedStep | None = None
+    ) -> tuple[Tensor, list[int]]:
         """The step's hidden states: a graph replay for a pure decode step that fits a captured
-        size, else an eager forward.
+        size, else an eager forward. With `previous` (async scheduling), its sampled tokens
+        replace the plan's placeholder input ids first (`_feed`).
 
         Returns:
             ([num_tokens (+ padding rows), hidden_size] hidden states, the flat index of each
@@ -288,8 +443,12 @@ class ModelRunner:
                 inputs = self.buffers.prepare(
                     plan, pad_to_seqs=self.mixed_graphs.max_num_seqs, pad_to_tokens=bucket
                 )
+                if previous is not None:
+                    self._feed(plan, previous, inputs.input_ids)
                 return self.mixed_graphs.replay(bucket), inputs.last_token_indices
         inputs = self.buffers.prepare(plan, pad_to_seqs=graph_size)
+        if previous is not None:
+            self._feed(plan, previous, inputs.input_ids)
         if graph_size is not None:
             return self.graphs.replay(graph_size), inputs.last_token_indices
         ctx = ForwardContext(

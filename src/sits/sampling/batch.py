@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from sits.core.sampling_params import SamplingParams
+from sits.utils.device_tensor import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +62,12 @@ def top_k_top_p_of(
     k = positions = p = p_rows = None
     if any_k:
         ks = [k if use else num_vocab for k, use in zip(top_k, use_k)]
-        k = torch.tensor(ks, dtype=torch.long, device=device).unsqueeze(1)  # [R, 1]
+        k = to_device(ks, torch.long, device).unsqueeze(1)  # [R, 1]
         positions = torch.arange(num_vocab, device=device).unsqueeze(0)  # [1, V]
     if any_p:
-        p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+        p = to_device(top_p, torch.float32, device).unsqueeze(1)  # [R, 1]
         if not all(use_p):
-            p_rows = torch.tensor(use_p, device=device).unsqueeze(1)  # [R, 1]
+            p_rows = to_device(use_p, torch.bool, device).unsqueeze(1)  # [R, 1]
     return TopKTopP(k, positions, p, p_rows)
 
 
@@ -74,7 +75,7 @@ def _index(rows: list[int], num_rows: int, device: torch.device) -> Tensor | Non
     """[len(rows)] int64 index of `rows`, or None when they are all rows 0..num_rows-1."""
     if len(rows) == num_rows:
         return None
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows, torch.long, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +161,14 @@ class SamplingBatch:
         shared_rows: list[int] = []
         if random_rows:
             rand = [params[i] for i in random_rows]
-            temperatures = torch.tensor(
-                [p.temperature for p in rand], dtype=torch.float32, device=device
+            temperatures = to_device(
+                [p.temperature for p in rand], torch.float32, device
             ).unsqueeze(1)  # [R, 1]
             filters = top_k_top_p_of(
                 [p.top_k for p in rand], [p.top_p for p in rand], num_vocab, device
             )
             if any(p.min_p > 0 for p in rand):
-                min_p = torch.tensor([p.min_p for p in rand], dtype=torch.float32, device=device)
+                min_p = to_device([p.min_p for p in rand], torch.float32, device)
             for pos, p in enumerate(rand):
                 (shared_rows if shared and p.seed is None else own_rows).append(pos)
         return cls(
@@ -179,9 +180,7 @@ class SamplingBatch:
             any_penalties=any_penalties,
             any_min_tokens=any_min_tokens,
             logprob_rows=logprob_rows,
-            logprob_index=None
-            if not logprob_rows
-            else torch.tensor(logprob_rows, dtype=torch.long, device=device),
+            logprob_index=None if not logprob_rows else to_device(logprob_rows, torch.long, device),
             num_top=[params[i].logprobs or 0 for i in logprob_rows],
             random_rows=random_rows,
             random_index=_index(random_rows, num_rows, device) if random_rows else None,

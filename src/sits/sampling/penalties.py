@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from sits.sampling.state import SamplingState
+from sits.utils.device_tensor import to_device
 
 
 def token_counts(
@@ -132,4 +133,5 @@ def apply_min_tokens(logits: Tensor, states: Sequence[SamplingState]) -> None:
                 cols.append(token_id)
     if rows:
         device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -torch.inf
+        index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+        logits[index] = -torch.inf

@@ -105,6 +105,28 @@ class Sampler:
                 entries[i] = entry
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=entries)
 
+    def sample_tokens(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """`__call__` for rows without logprobs, leaving the tokens on the device (no wait for
+        them: async scheduling reads them back after the next step is launched).
+
+        Args:
+            logits: [B, V] float32 logits (not modified).
+            states: B sampling states; none asks for logprobs.
+
+        Returns:
+            [B] int64 token ids on the logits' device.
+        """
+        batch = self._batch_of(states, logits.shape[1], logits.device)
+        assert batch.logprob_index is None, "rows with logprobs go through __call__"
+        if batch.plain_greedy:
+            return logits.argmax(dim=-1)  # [B]
+        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        if batch.any_penalties:
+            apply_penalties(logits, states)
+        if batch.any_min_tokens:
+            apply_min_tokens(logits, states)
+        return self._choose(logits, states, batch)
+
     def _batch_of(
         self, states: Sequence[SamplingState], num_vocab: int, device: torch.device
     ) -> SamplingBatch:

@@ -56,6 +56,7 @@ from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixHit
+from sits.sched.ahead import advance_ahead, resolve_placeholder
 from sits.sched.checks import check_stop, engine_output, is_decode, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
@@ -112,6 +113,8 @@ class Scheduler(SchedulerQueries):
         self._finished_ids: list[str] = []  # finished since the last schedule(), runner knew
         self._running_finished = False  # a finished request is still in _running
         self._num_preemptions = 0
+        self._ahead_plan: StepPlan | None = None  # the step `update_ahead` applied, not updated
+        self._ahead_done: set[str] = set()  # its requests that end with it (not scheduled)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -241,11 +244,14 @@ class Scheduler(SchedulerQueries):
         if book.fair:  # one key per tenant (keys do not change while sorting)
             keys = {t.tenant_id: running_order_key(t) for t in book.tenants.values()}
             running = sorted(running, key=lambda r: keys[r.tenant_id])
+        ahead_done = self._ahead_done
         for request in list(running):
             if step.token_budget == 0:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if ahead_done and request.request_id in ahead_done:
+                continue  # ends with the step on the device (async scheduling)
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens, step.token_budget
             )
@@ -484,11 +490,23 @@ class Scheduler(SchedulerQueries):
         return edf_key(request, tenant.policy, self._arrival_seq[request.request_id])
 
     # ------------------------------------------------------------------------------- update
+    def update_ahead(self, plan: StepPlan) -> None:
+        """Async scheduling: apply a launched step before its tokens are known, so that the
+        next `schedule` can plan the step after it (`sched.ahead`); `update(plan, result)`
+        completes it. At most one step may be ahead."""
+        assert self._ahead_plan is None, "a step is already ahead"
+        self._ahead_done = advance_ahead(
+            self._requests, plan, self.config.max_model_len, self.kv.cache_full_blocks
+        )
+        self._ahead_plan = plan
+
     def update(self, plan: StepPlan, result: StepResult) -> list[EngineCoreOutput]:
         """Apply a computed step: advance computed tokens, cache blocks, append and stop.
 
         Requests finished between `schedule` and `update` (aborted) are skipped. Finished
-        requests free their blocks at once.
+        requests free their blocks at once. For the step `update_ahead` applied, the computed
+        tokens are advanced already and each sampled token replaces its placeholder; a request
+        preempted since (waiting again) still gets its token and its stop check.
 
         Returns:
             One output per scheduled request that got a token, logprobs or prompt logprobs,
@@ -497,30 +515,44 @@ class Scheduler(SchedulerQueries):
         Raises:
             KeyError: the result lacks a sampled token for a request with `sample=True`.
         """
+        ahead = plan is self._ahead_plan
+        if ahead:
+            self._ahead_plan, self._ahead_done = None, set()
         outputs = []
         for scheduled in plan.scheduled:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                if ahead and request is not None and not request.is_finished:
+                    # Preempted by the plan made while this step ran: it still gets its token.
+                    output = self._update_request(request, scheduled, result, ahead)
+                    if output is not None:
+                        outputs.append(output)
                 continue
-            output = self._update_request(request, scheduled, result)
+            output = self._update_request(request, scheduled, result, ahead)
             if output is not None:
                 outputs.append(output)
         self._drop_finished()
         return outputs
 
     def _update_request(
-        self, request: Request, scheduled: ScheduledRequest, result: StepResult
+        self, request: Request, scheduled: ScheduledRequest, result: StepResult, ahead: bool
     ) -> EngineCoreOutput | None:
-        request.num_computed_tokens += scheduled.num_tokens
-        assert request.num_computed_tokens <= request.num_tokens, request
-        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        """Apply one scheduled request's step; `ahead`: `update_ahead` advanced it already."""
         request_id = request.request_id
+        if not ahead:
+            request.num_computed_tokens += scheduled.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens, request
+        if request.status is RequestStatus.RUNNING:
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
         new_token_ids: list[int] = []
         logprobs = None
         finish = None
         if scheduled.sample:
             token_id = result.sampled_token_ids[request_id]
-            request.append_output_token(token_id)
+            if ahead:
+                resolve_placeholder(request, token_id)
+            else:
+                request.append_output_token(token_id)
             new_token_ids.append(token_id)
             if request_id in result.logprobs:
                 logprobs = [result.logprobs[request_id]]

@@ -1,0 +1,109 @@
+"""Async scheduling: plan and launch step N+1 while the device runs step N.
+
+In a synchronous step the device idles while the host reads step N's tokens back, updates the
+scheduler, plans step N+1 and prepares its inputs: at 256 sequences several ms of every
+~20-25 ms decode step on an H200. `StepPipeline` (on with `EngineConfig.async_scheduling`, as
+vLLM's `--async-scheduling`) keeps one step in flight instead. Each `EngineCore.step()` call:
+1. the in-flight step N is applied ahead (`Scheduler.update_ahead`: computed tokens advance,
+   sampled requests get a placeholder token, requests that surely end with N are set aside);
+2. step N+1 is planned and launched (`ModelRunner.launch`): its placeholder input ids are read
+   on the device from N's sampled tokens, so it queues behind N without waiting for the host;
+3. `while_gpu_runs`, then N's tokens are read back (`ModelRunner.collect`) and applied
+   (`Scheduler.update`: placeholders resolved, stop checks, outputs) while N+1 runs.
+Outputs are those of step N, exactly what a synchronous engine reports for it.
+
+What differs from the synchronous engine, by design (as in vLLM's async scheduling):
+- A request that ends on a stop token or EOS sampled in step N was planned into step N+1; that
+  decode's token is dropped (its KV lands in blocks freed after N+1 in stream order).
+- A request whose sampling needs earlier tokens on the host (logprobs, prompt logprobs or
+  penalties: `runner.needs_host_tokens`) is in no launched-ahead step: a plan holding one runs
+  synchronously once the step before it is collected (its placeholders filled in on the host).
+
+Invariants: at most one step is in flight; the device runs the steps in launch order on one
+stream, so a step's KV writes, block reuse and input buffers never race the step before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sits.core.outputs import EngineCoreOutput
+from sits.core.plan import PLACEHOLDER_TOKEN_ID, StepResult
+from sits.runner.model_runner import LaunchedStep
+
+if TYPE_CHECKING:
+    from sits.engine.core import EngineCore, PlannedStep
+
+
+class StepPipeline:
+    """One step in flight ahead of the host (see the module docstring).
+
+    Args:
+        core: the engine core whose scheduler, runner and accounting it drives.
+
+    Attributes:
+        busy: a step is launched and not collected, or a planned step waits to run.
+    """
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._in_flight: tuple[PlannedStep, LaunchedStep] | None = None
+        self._waiting: PlannedStep | None = None  # planned, to run synchronously next
+        self._device_free_s = 0.0  # when the last collected step's tokens were back
+
+    @property
+    def busy(self) -> bool:
+        return self._in_flight is not None or self._waiting is not None
+
+    def step(self, while_gpu_runs: Callable[[], None] | None) -> list[EngineCoreOutput]:
+        """Collect one step (launching the next first when it can); its outputs."""
+        core = self.core
+        if self._waiting is not None:
+            planned, self._waiting = self._waiting, None
+            return self._run_now(planned, while_gpu_runs)
+        if self._in_flight is None:
+            planned = core.plan_step()
+            if planned.plan.is_empty or not core.runner.can_launch(planned.plan):
+                return self._run_now(planned, while_gpu_runs)
+            self._in_flight = (planned, core.runner.launch(planned.plan, None))
+        planned, launched = self._in_flight
+        self._in_flight = None
+        core.scheduler.update_ahead(planned.plan)
+        following = core.plan_step()
+        expired, following.expired = following.expired, []  # reported with this step
+        if not following.plan.is_empty:
+            if core.runner.can_launch(following.plan):
+                self._in_flight = (following, core.runner.launch(following.plan, launched))
+            else:
+                self._waiting = following
+        if while_gpu_runs is not None:
+            while_gpu_runs()
+        result = core.runner.collect(launched)
+        ran_s = core.clock()
+        if self._waiting is not None:
+            _fill_placeholders(self._waiting, result)
+        outputs = core.scheduler.update(planned.plan, result)
+        started_s = max(planned.scheduled_s, self._device_free_s)
+        self._device_free_s = ran_s
+        outputs = core.account_step(planned, ran_s, outputs, started_s)
+        return expired + outputs if expired else outputs
+
+    def _run_now(
+        self, planned: PlannedStep, while_gpu_runs: Callable[[], None] | None
+    ) -> list[EngineCoreOutput]:
+        """Run a planned step synchronously (`ModelRunner.run`) and apply it."""
+        core = self.core
+        result = core.runner.run(planned.plan, while_gpu_runs)
+        ran_s = core.clock()
+        self._device_free_s = ran_s
+        return core.account_step(planned, ran_s, core.scheduler.update(planned.plan, result))
+
+
+def _fill_placeholders(planned: PlannedStep, result: StepResult) -> None:
+    """Put the tokens of the step just collected into a plan made before they were known, for
+    a synchronous run (a placeholder is always a scheduled request's last token)."""
+    sampled = result.sampled_token_ids
+    for sr in planned.plan.scheduled:
+        if sr.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            sr.token_ids[-1] = sampled[sr.request_id]
