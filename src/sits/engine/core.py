@@ -333,12 +333,16 @@ class EngineCore:
         plan = self.scheduler.schedule(max_prefill_tokens, reclaim)
         now = self.clock()
         self.phase_s["schedule"] += now - start_s
+        # The loops over every scheduled request and output below run in every step (256
+        # decodes: ~0.1 ms of host time on our CPU), so they read fields, not properties.
+        first_scheduled_s = self._first_scheduled_s
         for sr in plan.scheduled:
-            if sr.request_id not in self._first_scheduled_s:
-                self._first_scheduled_s[sr.request_id] = now
+            if sr.request_id not in first_scheduled_s:
+                first_scheduled_s[sr.request_id] = now
                 self._unreported_first_scheduled.add(sr.request_id)
+        # Prompt chunks and recomputes: not a one-token decode of a request with outputs.
         # Counted before `update`, which appends to the (shared) output_token_ids lists.
-        prefills = [sr for sr in plan.scheduled if _is_prefill(sr)]
+        prefills = [sr for sr in plan.scheduled if len(sr.token_ids) > 1 or not sr.output_token_ids]
         return PlannedStep(
             plan, start_s, now, expired, prefills, self.scheduler.last_tokens_by_tenant
         )
@@ -399,14 +403,18 @@ class EngineCore:
                 (out.request_id for out in outputs if out.new_token_ids),
                 (out.request_id for out in outputs if out.finished),
             )
+        first_scheduled_s = self._first_scheduled_s
+        unreported_first = self._unreported_first_scheduled
+        unreported_chunks = self._unreported_chunks
         for out in outputs:
-            if out.request_id in self._unreported_first_scheduled:
-                self._unreported_first_scheduled.discard(out.request_id)
-                out.first_scheduled_time = self._first_scheduled_s[out.request_id]
-            if self._unreported_chunks:
-                out.prefill_chunks = self._unreported_chunks.pop(out.request_id, None)
-            if out.finished:
-                self._first_scheduled_s.pop(out.request_id, None)
+            request_id = out.request_id
+            if request_id in unreported_first:
+                unreported_first.discard(request_id)
+                out.first_scheduled_time = first_scheduled_s[request_id]
+            if unreported_chunks:
+                out.prefill_chunks = unreported_chunks.pop(request_id, None)
+            if out.finish_reason is not None:  # finished
+                first_scheduled_s.pop(request_id, None)
         expired = planned.expired
         return expired + outputs if expired else outputs
 
@@ -449,8 +457,3 @@ def _untouched(request: Request) -> bool:
         and request.num_computed_tokens == 0
         and request.num_output_tokens == 0
     )
-
-
-def _is_prefill(sr: ScheduledRequest) -> bool:
-    """True for a prompt chunk or a recompute (not a one-token decode of a running request)."""
-    return sr.num_tokens > 1 or not sr.output_token_ids

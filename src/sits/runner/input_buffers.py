@@ -227,10 +227,9 @@ class InputBuffers:
             self._write_token_padding(num_seqs, padded_seqs, num_tokens, padded_tokens)
         self._copy(padded_tokens, padded_seqs, tables.shape[1])
         views = self.view(padded_seqs, padded_tokens)
-        qsl_cpu = qsl[: num_seqs + 1].tolist()
         return self._inputs(
-            views, qsl_cpu, seq_lens.tolist(), max_query_len, int(seq_lens.max()),
-            last_token_indices=[end - 1 for end in qsl_cpu[1:]],
+            views, qsl[: num_seqs + 1].tolist(), seq_lens.tolist(), max_query_len,
+            int(seq_lens.max()), last_token_indices=(qsl[1 : num_seqs + 1] - 1).tolist(),
             token_mask=padded_tokens != num_tokens,
         )  # fmt: skip
 
@@ -353,8 +352,9 @@ class InputBuffers:
         `_copy`.
         """
         num_seqs = len(scheduled)
-        num_blocks = np.fromiter([len(sr.block_ids) for sr in scheduled], np.int64, num_seqs)
-        width = int(num_blocks.max())
+        block_lists = [sr.block_ids for sr in scheduled]  # one pass over the plan (hot path)
+        num_blocks_list = list(map(len, block_lists))
+        width = max(num_blocks_list)
         assert width <= self.max_blocks_per_seq, "block table too wide"
         if self.device.type == "cpu":
             tables = self._np["block_tables"][:padded_seqs, :width]
@@ -362,14 +362,13 @@ class InputBuffers:
             stage = self._np["block_tables_stage"]
             tables = stage[: padded_seqs * width].reshape(padded_seqs, width)
         if num_seqs <= _MAX_ROWS_BY_ROW:  # a few rows: one assignment each is cheaper
-            for row, sr in enumerate(scheduled):
-                tables[row, : len(sr.block_ids)] = sr.block_ids
+            for row, block_ids in enumerate(block_lists):
+                tables[row, : len(block_ids)] = block_ids
         else:  # scatter the concatenated block ids into rows
+            num_blocks = np.fromiter(num_blocks_list, np.int64, num_seqs)  # [num_seqs]
             flat_blocks = np.fromiter(
-                chain.from_iterable([sr.block_ids for sr in scheduled]),
-                np.int32,
-                int(num_blocks.sum()),
-            )
+                chain.from_iterable(block_lists), np.int32, sum(num_blocks_list)
+            )  # [total blocks]
             rows = np.repeat(self._arange[:num_seqs], num_blocks)
             row_starts = np.cumsum(num_blocks) - num_blocks  # [num_seqs]
             cols = np.arange(flat_blocks.size) - np.repeat(row_starts, num_blocks)

