@@ -21,7 +21,8 @@
 #            MOE_ALT_DIR (SITS_MOE_CONFIG_DIR); by default the shipped ones with the former
 #            BLOCK_M 64 entry for 1,025-2,048 tokens of the qwen3 shape (~2 min)
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
-#            adds engine flags to the offline runs (e.g. --no-mixed-step-cuda-graphs)
+#            adds engine flags to every run (e.g. --async-scheduling), also in `decode`
+#   targets_qwen3  the same without the llama run (~4.5 min)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
 #   kv_ttft_eager  the same, both arrival patterns, with --no-mixed-step-cuda-graphs
@@ -91,17 +92,17 @@ fi
 # The issue-4 qwen3 latency targets, run by `decode` and `targets` under their own names.
 qwen3_latency() {  # qwen3_latency PREFIX: batch 10 2048/1024 and batch 1 512/256
   run "$1_qwen3_b10" sits bench latency --random-weights qwen3-30b-a3b --batch-size 10 \
-    --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
+    --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 ${TARGET_FLAGS:-} \
     --output-json "$OUT_DIR/$1_qwen3_b10.json"
   run "$1_qwen3_b1" sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
-    --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 \
+    --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 1 ${TARGET_FLAGS:-} \
     --output-json "$OUT_DIR/$1_qwen3_b1.json"
 }
 if has decode; then
   qwen3_latency decode
   run decode_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
-    --output-json "$OUT_DIR/decode_qwen3_offline.json"
+    ${TARGET_FLAGS:-} --output-json "$OUT_DIR/decode_qwen3_offline.json"
   run decode_profile python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
     --batch-sizes 1 10 --context 2560 --prefill-tokens 512 --top 24
 fi
@@ -155,11 +156,14 @@ if has e2e; then
     --input-len 512 --output-len 128 --num-prompts 256 \
     --output-json "$OUT_DIR/throughput_qwen3.json"
 fi
-if has targets; then
+has targets && SECTIONS="$SECTIONS targets_qwen3"
+if has targets_qwen3; then
   run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
     --peer transformers ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_qwen3_offline.json"
   qwen3_latency target
+fi
+if has targets; then
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
     --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
     ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_llama8b.json"

@@ -35,16 +35,24 @@ class StepRecorder:
         self.shapes: list[StepShape] = []
 
     def attach(self, core: Any) -> StepRecorder:
-        """Wrap `core.runner.run` (an `EngineCore`) so every plan is recorded; returns self."""
+        """Wrap `core.runner.run` and `core.runner.collect` (an `EngineCore`) so that every
+        plan is recorded when its step is run (synchronous) or its tokens are collected (async
+        scheduling: one step per `EngineCore.step`, as when synchronous); returns self."""
         runner = core.runner
         run: Callable[..., Any] = runner.run
+        collect: Callable[..., Any] = runner.collect
 
         def recording_run(plan: StepPlan, *args: Any) -> Any:
             if plan.scheduled:
                 self.shapes.append(shape_of_plan(plan))
             return run(plan, *args)
 
+        def recording_collect(launched: Any) -> Any:
+            self.shapes.append(shape_of_plan(launched.plan))
+            return collect(launched)
+
         runner.run = recording_run
+        runner.collect = recording_collect
         return self
 
     def take(self) -> list[StepShape]:

@@ -62,11 +62,15 @@ class StepPipeline:
         if self._waiting is not None:
             planned, self._waiting = self._waiting, None
             return self._run_now(planned, while_gpu_runs)
+        clock = core.clock
+        runner_s = 0.0  # host time in launching and waiting (the "runner" phase)
         if self._in_flight is None:
             planned = core.plan_step()
             if planned.plan.is_empty or not core.runner.can_launch(planned.plan):
                 return self._run_now(planned, while_gpu_runs)
+            start_s = clock()
             self._in_flight = (planned, core.runner.launch(planned.plan, None))
+            runner_s += clock() - start_s
         planned, launched = self._in_flight
         self._in_flight = None
         core.scheduler.update_ahead(planned.plan)
@@ -74,19 +78,23 @@ class StepPipeline:
         expired, following.expired = following.expired, []  # reported with this step
         if not following.plan.is_empty:
             if core.runner.can_launch(following.plan):
+                start_s = clock()
                 self._in_flight = (following, core.runner.launch(following.plan, launched))
+                runner_s += clock() - start_s
             else:
                 self._waiting = following
         if while_gpu_runs is not None:
             while_gpu_runs()
+        start_s = clock()
         result = core.runner.collect(launched)
-        ran_s = core.clock()
+        ran_s = clock()
+        runner_s += ran_s - start_s
         if self._waiting is not None:
             _fill_placeholders(self._waiting, result)
         outputs = core.scheduler.update(planned.plan, result)
         started_s = max(planned.scheduled_s, self._device_free_s)
         self._device_free_s = ran_s
-        outputs = core.account_step(planned, ran_s, outputs, started_s)
+        outputs = core.account_step(planned, ran_s, outputs, started_s, runner_s)
         return expired + outputs if expired else outputs
 
     def _run_now(

@@ -353,11 +353,14 @@ class EngineCore:
         ran_s: float,
         outputs: list[EngineCoreOutput],
         device_start_s: float | None = None,
+        runner_s: float | None = None,
     ) -> list[EngineCoreOutput]:
         """Counters, tenant charges, pacing and output fields of a step whose `update` gave
         `outputs`. ran_s: when its tokens were back. The step's time runs from its planning
         (its prefill time from its plan) to the end of its update; with async scheduling from
-        `device_start_s`, when the device could start it (launched, the step before done).
+        `device_start_s`, when the device could start it (launched, the step before done),
+        and its "runner" phase is `runner_s`, the host's time in launching it and in waiting
+        for its tokens.
 
         Returns:
             The step's outputs, its start-deadline expiries first.
@@ -373,7 +376,7 @@ class EngineCore:
             busy_s = step_s = end_s - device_start_s
             chunk_start_s, chunk_end_s = device_start_s, ran_s
         phase_s = self.phase_s
-        phase_s["runner"] += ran_s - now
+        phase_s["runner"] += ran_s - now if runner_s is None else runner_s
         phase_s["update"] += end_s - ran_s
         num_decodes = len(plan.scheduled) - len(prefills)
         self.num_decode_rows += num_decodes
