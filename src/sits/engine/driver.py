@@ -7,9 +7,10 @@ experts when the monitor auto-restores), the named expert operations, and the `E
 snapshots with their rate-limited per-tenant scan. It runs on the engine's own thread only.
 
 Rules:
-- A step is stalled when it produced nothing, nothing runs and nothing was preempted: the
-  waiting work cannot start (e.g. deferred by `set_borrowing_tiers`) and the next step would
-  decide the same, so the caller waits for a command instead of spinning.
+- A step is stalled when it produced nothing, nothing runs, nothing was preempted and (async
+  scheduling) no step is in flight: the waiting work cannot start (e.g. deferred by
+  `set_borrowing_tiers`) and the next step would decide the same, so the caller waits for a
+  command instead of spinning.
 - The expert counters are read every `EXPERT_STATS_PERIOD_STEPS` steps and whenever the engine
   goes idle (one device sync each).
 - A snapshot's per-tenant scan (O(requests)) is redone when forced or at most every
@@ -107,8 +108,12 @@ class EngineDriver:
         sched = core.scheduler
         num_preemptions = sched.num_preemptions
         outputs = core.step(while_gpu_runs)
+        in_flight = core.pipeline is not None and core.pipeline.busy  # async scheduling
         stalled = (
-            not outputs and sched.num_running == 0 and sched.num_preemptions == num_preemptions
+            not outputs
+            and sched.num_running == 0
+            and sched.num_preemptions == num_preemptions
+            and not in_flight
         )
         due = core.num_steps - self._expert_read_step >= EXPERT_STATS_PERIOD_STEPS
         if due or stalled or not core.has_unfinished_requests():
