@@ -542,12 +542,11 @@ class Scheduler(SchedulerQueries):
         requests = self._requests
         for scheduled in plan.scheduled:
             request = requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                if ahead and request is not None and not request.is_finished:
-                    # Preempted by the plan made while this step ran: it still gets its token.
-                    output = self._update_request(request, scheduled, result, ahead)
-                    if output is not None:
-                        outputs.append(output)
+            # Skipped, unless preempted by the plan made while this (ahead) step ran: such a
+            # request still gets its token.
+            if (request is None or request.status is not RequestStatus.RUNNING) and not (
+                ahead and request is not None and not request.is_finished
+            ):
                 continue
             output = self._update_request(request, scheduled, result, ahead)
             if output is not None:
