@@ -352,19 +352,11 @@ class ModelRunner:
         self._begin(plan)
         hidden, last_indices = self._forward(plan, previous)  # [num_tokens (+ padding), hidden]
         self.num_rows_run += hidden.shape[0]
-        picked = [sr for sr in plan.scheduled if sr.sample]
-        ids = [sr.request_id for sr in picked]
+        to_sample = self._logits_to_sample(plan, last_indices, hidden)
+        ids = to_sample[0] if to_sample is not None else []
         launched = LaunchedStep(plan, ids, {rid: row for row, rid in enumerate(ids)}, None, None)
-        if picked:
-            rows = self._sample_rows(plan, picked, last_indices)
-            states = [self._states[request_id] for request_id in ids]
-            for state, sr in zip(states, picked):
-                state.output_token_ids = sr.output_token_ids
-            if rows[-1] == len(rows) - 1:  # rows 0..k-1: a decode step
-                last_hidden = hidden[: len(rows)]
-            else:
-                last_hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
-            logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab] float32
+        if to_sample is not None:
+            _, states, logits = to_sample
             launched.token_ids = self.sampler.sample_tokens(logits, states)  # [num_sampled]
             launched.host_token_ids = self._read_back(launched.token_ids)
         self.phase_s["launch"] += time.monotonic() - start_s
@@ -394,14 +386,6 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return host, event
-
-    def _sample_rows(
-        self, plan: StepPlan, picked: list[ScheduledRequest], last_indices: list[int]
-    ) -> list[int]:
-        """Flat indices of the sampled requests' last tokens (all rows of a decode step)."""
-        if len(picked) == len(plan.scheduled):
-            return last_indices
-        return [last for sr, last in zip(plan.scheduled, last_indices) if sr.sample]
 
     def _feed(self, plan: StepPlan, previous: LaunchedStep, input_ids: Tensor) -> None:
         """Write the tokens `previous` sampled into the prepared step's placeholder input ids
@@ -470,12 +454,30 @@ class ModelRunner:
         self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
     ) -> None:
         """Sample the requests with `sample` set (rows `last_indices` of `hidden`, [num_rows,
-        hidden_size]) into `result`. The lists are built by comprehensions: with 256 decodes
-        this runs for every request in every step."""
+        hidden_size]) into `result`."""
+        to_sample = self._logits_to_sample(plan, last_indices, hidden)
+        if to_sample is None:
+            return
+        ids, states, logits = to_sample
+        out = self.sampler(logits, states)
+        result.sampled_token_ids.update(zip(ids, out.token_ids))
+        if out.logprobs.count(None) < len(ids):
+            for request_id, logprobs in zip(ids, out.logprobs):
+                if logprobs is not None:
+                    result.logprobs[request_id] = logprobs
+
+    def _logits_to_sample(
+        self, plan: StepPlan, last_indices: list[int], hidden: Tensor
+    ) -> tuple[list[str], list[SamplingState], Tensor] | None:
+        """The requests with `sample` set: their ids and sampling states (each given its
+        request's output list) and the [num_sampled, vocab] float32 logits of their last
+        tokens (rows `last_indices` of `hidden`, [num_rows, hidden_size]); None when the step
+        samples nothing. The lists are built by comprehensions: with 256 decodes this runs for
+        every request in every step."""
         scheduled = plan.scheduled
         picked = [sr for sr in scheduled if sr.sample]
         if not picked:
-            return
+            return None
         if len(picked) == len(scheduled):  # a decode step samples every request
             rows = last_indices
         else:
@@ -486,14 +488,11 @@ class ModelRunner:
         for state, sr in zip(states, picked):
             state.output_token_ids = sr.output_token_ids
         # Last-token rows are increasing: rows == 0..k-1 (a decode batch) is a plain slice.
-        last_hidden = hidden[: len(rows)] if rows[-1] == len(rows) - 1 else hidden[rows]
-        logits = self.model.compute_logits(last_hidden)  # [num_sampled, vocab] float32
-        out = self.sampler(logits, states)
-        result.sampled_token_ids.update(zip(ids, out.token_ids))
-        if out.logprobs.count(None) < len(ids):
-            for request_id, logprobs in zip(ids, out.logprobs):
-                if logprobs is not None:
-                    result.logprobs[request_id] = logprobs
+        if rows[-1] == len(rows) - 1:
+            last_hidden = hidden[: len(rows)]
+        else:  # no wait for the device to copy the index (async scheduling launches ahead)
+            last_hidden = hidden.index_select(0, to_device(rows, torch.long, self.device))
+        return ids, states, self.model.compute_logits(last_hidden)
 
     def _prompt_logprobs(
         self, plan: StepPlan, last_indices: list[int], hidden: Tensor, result: StepResult
