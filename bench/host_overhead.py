@@ -86,16 +86,16 @@ class StepTimer:
 
         return timed
 
-    def step(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """`EngineCore.step` timed, opening a new record."""
+    def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`EngineCore.step` timed, opening a new record (its `while_gpu_runs` passed on)."""
 
-        def timed() -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             if self.records:
                 self.records[-1].loop_s = start - self.records[-1].start_s
             record = StepRecord(start_s=start)
             self.records.append(record)
-            out = fn()
+            out = fn(*args, **kwargs)
             record.step_s = time.perf_counter() - start
             return out
 
