@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import RequestOutput
 from sits.core.request import START_DEADLINE_MISSED
 from sits.core.sampling_params import SamplingParams
@@ -166,6 +167,8 @@ class GenerationJob:
         observer = self._make_observer(prompt)
         finished = False
         failed = False
+        refused = False  # the engine refused it before any output (a 400): not an abort
+        produced = False
         gen = None
         params = prompt.params
         watcher = None
@@ -192,6 +195,7 @@ class GenerationJob:
                 start_deadline_s=self.start_deadline_s,
             )
             async for output in gen:
+                produced = True
                 if watcher is not None:
                     output = watcher.on_output(output)
                 self._started[index] = not was_dropped_unstarted(output)
@@ -204,10 +208,11 @@ class GenerationJob:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             failed = True
+            refused = not produced and isinstance(exc, InvalidParameterError | PromptTooLongError)
             self._queue.put_nowait(exc)
         finally:
             self._finished[index] = finished
-            if not finished:
+            if not finished and not refused:
                 observer.on_abort()
             if watcher is not None:
                 watcher.finish("error" if failed else "abort")
