@@ -76,13 +76,16 @@ class StepPipeline:
         core.scheduler.update_ahead(planned.plan)
         following = core.plan_step()
         expired, following.expired = following.expired, []  # reported with this step
-        if not following.plan.is_empty:
-            if core.runner.can_launch(following.plan):
-                start_s = clock()
-                self._in_flight = (following, core.runner.launch(following.plan, launched))
-                runner_s += clock() - start_s
-            else:
-                self._waiting = following
+        if following.plan.is_empty:
+            # Nothing to compute, but maybe swap copies and finished ids for the runner (a
+            # request set aside as ending with step N can leave another none of the blocks).
+            core.runner.run(following.plan)
+        elif core.runner.can_launch(following.plan):
+            start_s = clock()
+            self._in_flight = (following, core.runner.launch(following.plan, launched))
+            runner_s += clock() - start_s
+        else:
+            self._waiting = following
         if while_gpu_runs is not None:
             while_gpu_runs()
         start_s = clock()
