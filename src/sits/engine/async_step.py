@@ -103,12 +103,9 @@ class StepPipeline:
     def _run_now(
         self, planned: PlannedStep, while_gpu_runs: Callable[[], None] | None
     ) -> list[EngineCoreOutput]:
-        """Run a planned step synchronously (`ModelRunner.run`) and apply it."""
-        core = self.core
-        result = core.runner.run(planned.plan, while_gpu_runs)
-        ran_s = core.clock()
-        self._device_free_s = ran_s
-        return core.account_step(planned, ran_s, core.scheduler.update(planned.plan, result))
+        """Run a planned step synchronously (`EngineCore.run_planned`)."""
+        outputs, self._device_free_s = self.core.run_planned(planned, while_gpu_runs)
+        return outputs
 
 
 def _fill_placeholders(planned: PlannedStep, result: StepResult) -> None:

@@ -305,13 +305,22 @@ class EngineCore:
         if self.pipeline is not None:
             outputs = self.pipeline.step(while_gpu_runs)
         else:
-            planned = self.plan_step()
-            result = self.runner.run(planned.plan, while_gpu_runs)
-            ran_s = self.clock()
-            outputs = self.account_step(planned, ran_s, self.scheduler.update(planned.plan, result))
+            outputs = self.run_planned(self.plan_step(), while_gpu_runs)[0]
         if self.step_profiler is not None:
             self.step_profiler.after_step(self.num_steps)
         return outputs
+
+    def run_planned(
+        self, planned: PlannedStep, while_gpu_runs: Callable[[], None] | None = None
+    ) -> tuple[list[EngineCoreOutput], float]:
+        """Run a planned step synchronously (`ModelRunner.run`), update and account it.
+
+        Returns:
+            (its outputs, the clock seconds when its tokens were back).
+        """
+        result = self.runner.run(planned.plan, while_gpu_runs)
+        ran_s = self.clock()
+        return self.account_step(planned, ran_s, self.scheduler.update(planned.plan, result)), ran_s
 
     def plan_step(self) -> PlannedStep:
         """Drop requests past their start deadline, then schedule (with pacing and reclaims)."""

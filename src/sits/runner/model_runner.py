@@ -55,6 +55,7 @@ from sits.runner.kv_cache_alloc import (
 from sits.runner.model_info import ModelInfo
 from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
+from sits.sampling.batch import has_penalties
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 from sits.sampling.state import SamplingState, make_generator
 from sits.utils.device_tensor import to_device
@@ -67,11 +68,7 @@ def needs_host_tokens(params: SamplingParams) -> bool:
     returns logprobs, read back with their token): such a request's steps are not launched
     ahead (`ModelRunner.can_launch`)."""
     return (
-        params.logprobs is not None
-        or params.prompt_logprobs is not None
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-        or params.repetition_penalty != 1.0
+        params.logprobs is not None or params.prompt_logprobs is not None or has_penalties(params)
     )
 
 
@@ -82,14 +79,12 @@ class LaunchedStep:
     Attributes:
         plan: the step's plan.
         sampled_ids: ids of the requests it samples, in row order.
-        row_of: request id -> its row in `token_ids`.
         token_ids: [num_sampled] int64 sampled tokens on the device, or None (none sampled).
         host_token_ids: (pinned host copy being made, its CUDA event or None on the CPU).
     """
 
     plan: StepPlan
     sampled_ids: list[str]
-    row_of: dict[str, int]
     token_ids: Tensor | None
     host_token_ids: tuple[Tensor, torch.cuda.Event | None] | None
 
@@ -341,7 +336,7 @@ class ModelRunner:
 
         Args:
             plan: a non-empty plan that `can_launch` accepts. Its placeholder input ids
-                (`sched.ahead.PLACEHOLDER_TOKEN_ID`, each a request's last token) are the
+                (`core.plan.PLACEHOLDER_TOKEN_ID`, each a request's last token) are the
                 tokens `previous` sampled; the device fills them in before the forward.
             previous: the step launched before this one, not collected yet, or None.
 
@@ -354,7 +349,7 @@ class ModelRunner:
         self.num_rows_run += hidden.shape[0]
         to_sample = self._logits_to_sample(plan, last_indices, hidden)
         ids = to_sample[0] if to_sample is not None else []
-        launched = LaunchedStep(plan, ids, {rid: row for row, rid in enumerate(ids)}, None, None)
+        launched = LaunchedStep(plan, ids, None, None)
         if to_sample is not None:
             _, states, logits = to_sample
             launched.token_ids = self.sampler.sample_tokens(logits, states)  # [num_sampled]
@@ -392,7 +387,7 @@ class ModelRunner:
         (on the device, in stream order after `previous`'s sampling)."""
         dst_rows: list[int] = []
         src_rows: list[int] = []
-        row_of = previous.row_of
+        row_of = {request_id: row for row, request_id in enumerate(previous.sampled_ids)}
         offset = 0
         for sr in plan.scheduled:
             offset += len(sr.token_ids)

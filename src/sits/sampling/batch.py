@@ -43,6 +43,16 @@ class TopKTopP:
     p_rows: Tensor | None
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """True when a repetition, frequency or presence penalty is set (they read the request's
+    earlier tokens)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
 def top_k_top_p_of(
     top_k: Sequence[int], top_p: Sequence[float], num_vocab: int, device: torch.device
 ) -> TopKTopP | None:
@@ -151,10 +161,7 @@ class SamplingBatch:
         num_rows = len(params)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        any_penalties = any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for p in params
-        )
+        any_penalties = any(has_penalties(p) for p in params)
         any_min_tokens = any(p.min_tokens > 0 for p in params)
         temperatures = filters = min_p = None
         own_rows: list[int] = []

@@ -90,12 +90,7 @@ class Sampler:
         if batch.logprob_index is not None:
             raw_logprobs = log_softmax_f32(logits.index_select(0, batch.logprob_index))  # [L, V]
 
-        logits = logits.to(torch.float32, copy=True)  # [B, V]
-        if batch.any_penalties:
-            apply_penalties(logits, states)
-        if batch.any_min_tokens:
-            apply_min_tokens(logits, states)
-        token_ids = self._choose(logits, states, batch)  # [B]
+        token_ids = self._penalized_choice(logits, states, batch)  # [B]
 
         entries: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
@@ -120,6 +115,13 @@ class Sampler:
         assert batch.logprob_index is None, "rows with logprobs go through __call__"
         if batch.plain_greedy:
             return logits.argmax(dim=-1)  # [B]
+        return self._penalized_choice(logits, states, batch)
+
+    def _penalized_choice(
+        self, logits: Tensor, states: Sequence[SamplingState], batch: SamplingBatch
+    ) -> Tensor:
+        """[B] int64 tokens from a float32 copy of the [B, V] logits: penalties, min_tokens,
+        then `_choose` (steps 2-5 of the module docstring)."""
         logits = logits.to(torch.float32, copy=True)  # [B, V]
         if batch.any_penalties:
             apply_penalties(logits, states)

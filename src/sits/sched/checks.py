@@ -33,9 +33,18 @@ def check_stop(request: Request, max_model_len: int) -> tuple[FinishReason, int 
             return FinishReason.STOP, token_id
         if not params.ignore_eos and token_id == request.eos_token_id:
             return FinishReason.STOP, None
-    if num_output_tokens >= request.max_tokens or len(request.all_token_ids) >= max_model_len:
+    if reaches_length_limit(request, max_model_len):
         return FinishReason.LENGTH, None
     return None
+
+
+def reaches_length_limit(request: Request, max_model_len: int) -> bool:
+    """True when the request has `max_tokens` outputs or `max_model_len` tokens in all (its
+    last token, possibly a placeholder of async scheduling, counted)."""
+    return (
+        len(request.output_token_ids) >= request.max_tokens
+        or len(request.all_token_ids) >= max_model_len
+    )
 
 
 def validate_request(request: Request, config: SchedulerConfig) -> None:

@@ -53,16 +53,16 @@ from dataclasses import dataclass, field
 
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
-from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan, StepResult
+from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan
 from sits.core.request import FinishReason, Request, RequestStatus
 from sits.kvcache.kv_manager import NO_HIT, KVCacheManager, PrefixHit
-from sits.sched.ahead import advance_ahead, resolve_placeholder
-from sits.sched.checks import check_stop, engine_output, is_decode, validate_request
+from sits.sched.checks import engine_output, is_decode, validate_request
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.policy import edf_key, running_order_key, victim_key
 from sits.sched.queries import SchedulerQueries
 from sits.sched.swap import SwapPlanner
 from sits.sched.tenants import TenantBook, TenantState
+from sits.sched.update import SchedulerUpdate
 
 
 @dataclass(slots=True)
@@ -82,7 +82,7 @@ class _StepState:
     tokens_by_tenant: dict[str, int] = field(default_factory=dict)  # scheduled, per tenant id
 
 
-class Scheduler(SchedulerQueries):
+class Scheduler(SchedulerUpdate, SchedulerQueries):
     """Continuous-batching scheduler over a paged KV cache with prefix caching and tenants.
 
     Args:
@@ -509,81 +509,7 @@ class Scheduler(SchedulerQueries):
     def _queue_key(self, request: Request, tenant: TenantState) -> tuple:
         return edf_key(request, tenant.policy, self._arrival_seq[request.request_id])
 
-    # ------------------------------------------------------------------------------- update
-    def update_ahead(self, plan: StepPlan) -> None:
-        """Async scheduling: apply a launched step before its tokens are known, so that the
-        next `schedule` can plan the step after it (`sched.ahead`); `update(plan, result)`
-        completes it. At most one step may be ahead."""
-        assert self._ahead_plan is None, "a step is already ahead"
-        self._ahead_done = advance_ahead(
-            self._requests, plan, self.config.max_model_len, self.kv.cache_full_blocks
-        )
-        self._ahead_plan = plan
-
-    def update(self, plan: StepPlan, result: StepResult) -> list[EngineCoreOutput]:
-        """Apply a computed step: advance computed tokens, cache blocks, append and stop.
-
-        Requests finished between `schedule` and `update` (aborted) are skipped. Finished
-        requests free their blocks at once. For the step `update_ahead` applied, the computed
-        tokens are advanced already and each sampled token replaces its placeholder; a request
-        preempted since (waiting again) still gets its token and its stop check.
-
-        Returns:
-            One output per scheduled request that got a token, logprobs or prompt logprobs,
-            or finished, in plan order.
-
-        Raises:
-            KeyError: the result lacks a sampled token for a request with `sample=True`.
-        """
-        ahead = plan is self._ahead_plan
-        if ahead:
-            self._ahead_plan, self._ahead_done = None, set()
-        outputs = []
-        requests = self._requests
-        for scheduled in plan.scheduled:
-            request = requests.get(scheduled.request_id)
-            # Skipped, unless preempted by the plan made while this (ahead) step ran: such a
-            # request still gets its token.
-            if (request is None or request.status is not RequestStatus.RUNNING) and not (
-                ahead and request is not None and not request.is_finished
-            ):
-                continue
-            output = self._update_request(request, scheduled, result, ahead)
-            if output is not None:
-                outputs.append(output)
-        self._drop_finished()
-        return outputs
-
-    def _update_request(
-        self, request: Request, scheduled: ScheduledRequest, result: StepResult, ahead: bool
-    ) -> EngineCoreOutput | None:
-        """Apply one scheduled request's step (runs for every scheduled request); `ahead`:
-        `update_ahead` advanced its computed tokens and cached its blocks already."""
-        request_id = request.request_id
-        if not ahead:
-            request.num_computed_tokens += len(scheduled.token_ids)
-            assert request.num_computed_tokens <= len(request.all_token_ids), request
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
-        prompt_logprobs = result.prompt_logprobs.get(request_id) if result.prompt_logprobs else None
-        if scheduled.sample:
-            token_id = result.sampled_token_ids[request_id]
-            if ahead:
-                resolve_placeholder(request, token_id)
-            else:
-                request.append_output_token(token_id)
-            logprobs_by_id = result.logprobs
-            logprobs = [logprobs_by_id[request_id]] if request_id in logprobs_by_id else None
-            finish = check_stop(request, self.config.max_model_len)
-            if finish is not None:
-                self._finish(request, *finish)
-            return engine_output(request, [token_id], logprobs, prompt_logprobs)
-        if request.max_tokens == 0 and request.num_computed_tokens == len(request.all_token_ids):
-            # A prompt-only request (e.g. prompt logprobs) ends once its prompt is computed.
-            self._finish(request, FinishReason.LENGTH, None)
-        elif prompt_logprobs is None:
-            return None  # a prompt chunk with nothing to report
-        return engine_output(request, [], None, prompt_logprobs)
-
+    # ------------------------------------------------------------------------------- finish
     def _finish(
         self, request: Request, reason: FinishReason, stop_reason: int | str | None
     ) -> None:
