@@ -23,6 +23,10 @@
 #   targets  the issue-4 target workloads, with the transformers peer (~7 min); TARGET_FLAGS
 #            adds engine flags to every run (e.g. --async-scheduling), also in `decode`
 #   targets_qwen3  the same without the llama run (~4.5 min)
+#   target_llama   the llama run alone (~3 min)
+#   profile_llama  llama-3.1-8b: SiLU-and-mul micro-benchmark at 1/256/8,192 tokens, kernels of
+#            a batch-256 decode step (context 1,500) and of an 8,192-token mixed step (224
+#            decodes + 1,000-token prompt chunks), as in the 1000 x 1000/1000 run (~2 min)
 #   kv       the issue-7 targets: kv_ttft + kv_fp8 + kv_host (each also a section alone)
 #   kv_ttft  prefix-cache TTFT (2,000-token shared prompt, 200 requests)
 #   kv_ttft_eager  the same, both arrival patterns, with --no-mixed-step-cuda-graphs
@@ -125,6 +129,14 @@ if has paced; then
     --num-prompts 768 --input-len 512 --output-len 128 --token-bucket 128 --seq-bucket 32 \
     --paced-step-tokens 0,768,1024,1152,1280,1536
 fi
+if has profile_llama; then
+  run act_bench python3 bench/kernels/norm_rotary_bench.py --tokens 1,256,8192 \
+    --hidden-size 4096 --num-heads 32 --num-kv-heads 8 --no-qk-norm
+  run profile_llama_decode python3 bench/profile_step.py --random-weights llama-3.1-8b \
+    --batch-sizes 256 --context 1500 --prefill-tokens 1000 --top 16
+  run profile_llama_mixed python3 bench/profile_step.py --random-weights llama-3.1-8b \
+    --mixed-tokens 8192 --mixed-decodes 224 --context 1500 --mixed-chunk 1000 --top 16
+fi
 if has profile; then
   run profile_qwen3 python3 bench/profile_step.py --random-weights qwen3-30b-a3b \
     --batch-sizes 1 10 64 --prefill-tokens 2048
@@ -156,14 +168,14 @@ if has e2e; then
     --input-len 512 --output-len 128 --num-prompts 256 \
     --output-json "$OUT_DIR/throughput_qwen3.json"
 fi
-has targets && SECTIONS="$SECTIONS targets_qwen3"
+has targets && SECTIONS="$SECTIONS targets_qwen3 target_llama"
 if has targets_qwen3; then
   run target_qwen3_offline sits bench throughput --random-weights qwen3-30b-a3b \
     --input-len 512 --output-len 128 --num-prompts 256 --max-num-batched-tokens 8192 \
     --peer transformers ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_qwen3_offline.json"
   qwen3_latency target
 fi
-if has targets; then
+if has target_llama; then
   run target_llama8b sits bench throughput --random-weights llama-3.1-8b \
     --input-len 1000 --output-len 1000 --num-prompts 1000 --max-num-batched-tokens 8192 \
     ${TARGET_FLAGS:-} --output-json "$OUT_DIR/target_llama8b.json"

@@ -1,19 +1,21 @@
-"""Micro-benchmark: RMSNorm (+ residual) and q/k norm + RoPE, PyTorch reference vs Triton.
+"""Micro-benchmark: RMSNorm (+ residual), q/k norm + RoPE and SiLU-and-mul, PyTorch vs Triton.
 
 Prints the exact command, the machine, then a markdown table (ready for bench/RESULTS.md) per
 operation and token count: microseconds, bytes moved / time (GB/s) and kernels launched, for
-the PyTorch reference (`RMSNorm.forward_reference`, `RotaryEmbedding.forward_reference`, the
-code the layers ran before) and the Triton kernel (what the layers run on CUDA), plus the
-largest difference between the two.
+the PyTorch reference (`RMSNorm.forward_reference`, `RotaryEmbedding.forward_reference`,
+`silu_and_mul_reference`: the code the layers ran before) and the Triton kernel (what the
+layers run on CUDA), plus the largest difference between the two.
 
 Shapes default to one Qwen3-30B-A3B layer: hidden 2048, 32 query heads, 4 kv heads, head_dim
-128, q/k norm, rope theta 1e6 over 40960 positions.
+128, q/k norm, rope theta 1e6 over 40960 positions; SiLU-and-mul to a Llama-3.1-8B MLP
+(intermediate 14,336).
 
 Timing: CUDA graph replay between CUDA events (launch overhead excluded, as in the engine's
 decode graphs; an eager decode step would add about 8 us per kernel launched); inputs are
 cycled over several copies so that one call's data is not still in L2 from the previous one.
 Bytes: norm reads x (+ residual) and writes out (+ residual_out); RoPE reads and writes q and k
-and reads one cos and one sin row per token (the torch path's cos/sin temporaries not counted).
+and reads one cos and one sin row per token (the torch path's cos/sin temporaries not counted);
+SiLU-and-mul reads [gate | up] and writes the product (the torch path's temporary not counted).
 
 Usage (GPU machine, from the repository root):
     PYTHONPATH=src python3 bench/kernels/norm_rotary_bench.py [--tokens 1,64,2048]
@@ -43,12 +45,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--max-positions", type=int, default=40960)
+    parser.add_argument("--intermediate-size", type=int, default=14336)
     parser.add_argument("--no-qk-norm", action="store_true", help="RoPE only (Llama-style)")
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args(argv)
     if args.device == "cpu":  # interpreter: tiny shapes, wall-clock timing
         args.tokens, args.hidden_size, args.num_heads, args.num_kv_heads = "1,3", 64, 4, 2
         args.head_dim, args.max_positions, args.reps = 16, 64, 1
+        args.intermediate_size = 40
     return args
 
 
@@ -162,6 +166,38 @@ def rope_case(args, num_tokens: int, dtype: torch.dtype) -> dict[str, float]:
     }
 
 
+def act_case(args, num_tokens: int, dtype: torch.dtype) -> dict[str, float]:
+    """Time SiLU(gate) * up on [num_tokens, 2 * intermediate]: torch vs Triton."""
+    from sits.kernels.activation_triton import triton_silu_and_mul
+    from sits.layers.activation import silu_and_mul_reference
+
+    width = args.intermediate_size
+    nbytes = 3 * num_tokens * width * dtype.itemsize  # reads gate and up, writes the product
+    copies = num_copies(nbytes, args.device, max_copies=64)
+    inputs = [
+        torch.randn(num_tokens, 2 * width, device=args.device).to(dtype) for _ in range(copies)
+    ]
+    expected = silu_and_mul_reference(inputs[0])
+    actual = triton_silu_and_mul(inputs[0])
+
+    def torch_run() -> None:
+        for x in inputs:
+            silu_and_mul_reference(x)
+
+    def triton_run() -> None:
+        for x in inputs:
+            triton_silu_and_mul(x)
+
+    return {
+        "bytes": nbytes,
+        "torch_us": time_us(torch_run, args.device, args.reps) / copies,
+        "triton_us": time_us(triton_run, args.device, args.reps) / copies,
+        "torch_kernels": count_kernels(lambda: silu_and_mul_reference(inputs[0]), args.device),
+        "triton_kernels": count_kernels(lambda: triton_silu_and_mul(inputs[0]), args.device),
+        "error": float((actual.float() - expected.float()).abs().max()),
+    }
+
+
 def report(title: str, case: Callable, args, dtype: torch.dtype) -> None:
     print(f"\n## {title}\n")
     print("| tokens | MB | torch us | torch GB/s | torch kernels | Triton us | Triton GB/s "
@@ -198,6 +234,7 @@ def main(argv: list[str]) -> None:
     report(f"RMSNorm + residual add (hidden {args.hidden_size})", norm_case, args, dtype)
     norm_title = "" if args.no_qk_norm else "q/k RMSNorm + "
     report(f"{norm_title}RoPE on q/k views of the fused QKV output", rope_case, args, dtype)
+    report(f"SiLU-and-mul (intermediate {args.intermediate_size})", act_case, args, dtype)
 
 
 if __name__ == "__main__":
