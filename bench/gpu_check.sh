@@ -24,6 +24,9 @@
 #            adds engine flags to every run (e.g. --async-scheduling), also in `decode`
 #   targets_qwen3  the same without the llama run (~4.5 min)
 #   target_llama   the llama run alone (~3 min)
+#   prefill_sweep  prefill attention launch parameters (attention_bench --sections sweep) on
+#            the llama shape (8 x 1,000 new, as the 1000 x 1000/1000 run's chunks; 1 x 2,048;
+#            2 x 1,000 cached + 1,000 new) and the qwen3 shape (16 x 512, 1 x 2,048) (~3 min)
 #   profile_llama  llama-3.1-8b: SiLU-and-mul micro-benchmark at 1/256/8,192 tokens, kernels of
 #            a batch-256 decode step (context 1,500) and of an 8,192-token mixed step (224
 #            decodes + 1,000-token prompt chunks), as in the 1000 x 1000/1000 run (~2 min)
@@ -128,6 +131,14 @@ if has paced; then
   run step_costs_paced python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
     --num-prompts 768 --input-len 512 --output-len 128 --token-bucket 128 --seq-bucket 32 \
     --paced-step-tokens 0,768,1024,1152,1280,1536
+fi
+if has prefill_sweep; then
+  run prefill_sweep_llama python3 bench/kernels/attention_bench.py --sections sweep \
+    --num-heads 32 --num-kv-heads 8 --sweep-decode-cases "" \
+    --sweep-prefill-cases 8x0+1000,1x0+2048,2x1000+1000 --reps 10
+  run prefill_sweep_qwen3 python3 bench/kernels/attention_bench.py --sections sweep \
+    --num-heads 32 --num-kv-heads 4 --sweep-decode-cases "" \
+    --sweep-prefill-cases 16x0+512,1x0+2048 --reps 10
 fi
 if has profile_llama; then
   run act_bench python3 bench/kernels/norm_rotary_bench.py --tokens 1,256,8192 \

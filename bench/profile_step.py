@@ -45,9 +45,10 @@ def _llm(
     enforce_eager: bool,
     max_model_len: int | None = None,
     dtype: str = "bfloat16",
+    max_num_batched_tokens: int = 2048,
 ):
     """An engine on random weights of `shape`; max_model_len None: 4,096 or the shape's own
-    limit when that is shorter (the tiny CPU shapes)."""
+    limit when that is shorter (the tiny CPU shapes); steps of up to max_num_batched_tokens."""
     import json
     from pathlib import Path
 
@@ -65,6 +66,7 @@ def _llm(
         dtype=dtype,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=0.85,
     )
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     if args.mixed_tokens or args.replay:
-        llm = _llm(args.random_weights, 256, False, args.max_model_len, args.dtype)
+        budget = max([2048, *args.mixed_tokens])
+        llm = _llm(args.random_weights, 256, False, args.max_model_len, args.dtype, budget)
         with torch.inference_mode():
             if args.mixed_tokens:
                 _mixed_sweep(llm.engine_core.runner, args)

@@ -64,7 +64,14 @@ def test_throughput_reports_exact_token_counts(tmp_path, capsys, monkeypatch) ->
     assert doc["model"]["load_format"] == "dummy"
     assert doc["model"]["total_params"] == 189824
     assert doc["peer"] is None and doc["ratio"] is None
+    phases = doc["sits"]["phase_s"]
+    assert set(phases) == {"schedule", "runner", "update", "launch", "shadow", "sync"}
+    assert all(seconds >= 0.0 for seconds in phases.values())
+    in_steps = phases["schedule"] + phases["runner"] + phases["update"]
+    assert 0.0 < in_steps <= doc["sits"]["elapsed_s"]
+    assert phases["launch"] + phases["shadow"] + phases["sync"] <= phases["runner"] + 1e-6
     printed = capsys.readouterr().out
+    assert "Engine phases (s in all): schedule " in printed
     assert printed.startswith("Command: ")
     assert "--random-weights tiny-qwen3-moe" in printed.splitlines()[0]
     assert "| engine | workload | requests/s | output tok/s | total tok/s | roofline |" in printed

@@ -46,7 +46,7 @@ from sits.bench.offline_common import (
 )
 from sits.bench.report import command_line
 from sits.bench.roofline import StepShape
-from sits.bench.steps import StepRecorder
+from sits.bench.steps import StepRecorder, phase_counters
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
 from sits.engine.requests import make_engine_requests
@@ -86,16 +86,6 @@ class IterationTiming:
     prefill_steps: list[tuple[float, StepShape]] = field(default_factory=list)
     decode_steps: list[tuple[float, StepShape]] = field(default_factory=list)
     decode_phase_s: dict[str, float] = field(default_factory=dict)
-
-
-def phase_counters(core: Any) -> dict[str, float]:
-    """The engine core's cumulative phase seconds (schedule, runner, update) and its runner's
-    (launch, shadow, sync) when the runner keeps them."""
-    counters = dict(core.phase_s)
-    runner_phases = getattr(getattr(core, "runner", None), "phase_s", None)
-    if runner_phases is not None:
-        counters.update(runner_phases)
-    return counters
 
 
 def run_iteration(

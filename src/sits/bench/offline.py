@@ -11,7 +11,8 @@ counts, and the roofline of the steps the engine ran (`sits.bench.roofline`).
 and the fraction of prompts whose first generated token is the same in both (a sanity check of
 the shared weights; bf16 rounding may change some).
 JSON (`--output-json`, schema "sits.bench.throughput/1"): the `base_doc` head plus "workload",
-"sits", "roofline", "peer" (or null), "ratio" and "first_token_match" (or null).
+"sits" (with "phase_s": seconds of each engine phase, `phase_counters`), "roofline", "peer"
+(or null), "ratio" and "first_token_match" (or null).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from sits.bench.offline_common import (
     write_json,
 )
 from sits.bench.report import command_line
-from sits.bench.steps import StepRecorder
+from sits.bench.steps import StepRecorder, phase_counters
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
 
@@ -161,9 +162,14 @@ def run_throughput_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         )
         llm.generate([{"prompt_token_ids": p} for p in warmup], _greedy(min(args.output_len, 4)))
     recorder = StepRecorder().attach(llm.engine_core)
+    phases_before = phase_counters(llm.engine_core)
     sits = run_sits(llm, prompts, args.output_len)
     shapes = recorder.take()
     sits["num_steps"] = len(shapes)
+    sits["phase_s"] = {
+        name: total_s - phases_before.get(name, 0.0)
+        for name, total_s in phase_counters(llm.engine_core).items()
+    }
     doc = base_doc(SCHEMA, setup, llm)
     doc["workload"] = {
         "num_prompts": args.num_prompts,
@@ -204,6 +210,8 @@ def format_throughput(doc: dict[str, Any], with_command: bool = True) -> str:
         + ("" if s["num_output_tokens"] == expected else f" (EXPECTED {expected})")
     )
     lines += roofline_lines(doc["roofline"])
+    if s.get("phase_s"):
+        lines.append(_phases_line(s["phase_s"], s["elapsed_s"]))
     peer = doc["peer"]
     if peer is not None:
         lines.append(
@@ -241,6 +249,16 @@ def format_throughput(doc: dict[str, Any], with_command: bool = True) -> str:
         lines.append("")
         lines.append(f"sits / transformers output tok/s: {doc['ratio']:.2f}x")
     return "\n".join(lines)
+
+
+def _phases_line(phase_s: dict[str, float], elapsed_s: float) -> str:
+    """`Engine phases (s in all): schedule 1.20, runner 95.00 [launch 3.10, shadow 0.20, sync
+    91.70], update 2.00; outside the steps 1.80` (sync: the host waiting for the device)."""
+    inner = ", ".join(f"{n} {phase_s[n]:.2f}" for n in ("launch", "shadow", "sync") if n in phase_s)
+    runner = f"runner {phase_s['runner']:.2f}" + (f" [{inner}]" if inner else "")
+    core = f"schedule {phase_s['schedule']:.2f}, {runner}, update {phase_s['update']:.2f}"
+    outside = elapsed_s - sum(phase_s[n] for n in ("schedule", "runner", "update"))
+    return f"Engine phases (s in all): {core}; outside the steps {outside:.2f}"
 
 
 def run_throughput(args: argparse.Namespace) -> int:
