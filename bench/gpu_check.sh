@@ -24,6 +24,9 @@
 #            adds engine flags to every run (e.g. --async-scheduling), also in `decode`
 #   targets_qwen3  the same without the llama run (~4.5 min)
 #   target_llama   the llama run alone (~3 min)
+#   device_busy  the llama 1000 x 1000/1000 run (TARGET_FLAGS too) with each step's device time
+#            bracketed by CUDA events and torch's sync debug mode on: device busy vs idle
+#            seconds, busy ms per step kind, each place the host waited for the device (~2.5 min)
 #   prefill_sweep  prefill attention launch parameters (attention_bench --sections sweep) on
 #            the llama shape (8 x 1,000 new, as the 1000 x 1000/1000 run's chunks; 1 x 2,048;
 #            2 x 1,000 cached + 1,000 new) and the qwen3 shape (16 x 512, 1 x 2,048) (~3 min)
@@ -131,6 +134,11 @@ if has paced; then
   run step_costs_paced python3 bench/step_costs.py --random-weights qwen3-30b-a3b \
     --num-prompts 768 --input-len 512 --output-len 128 --token-bucket 128 --seq-bucket 32 \
     --paced-step-tokens 0,768,1024,1152,1280,1536
+fi
+if has device_busy; then
+  run device_busy_llama python3 bench/device_busy.py --random-weights llama-3.1-8b \
+    --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
+    --sync-debug ${TARGET_FLAGS:-}
 fi
 if has prefill_sweep; then
   run prefill_sweep_llama python3 bench/kernels/attention_bench.py --sections sweep \
