@@ -13,7 +13,8 @@ With `--sync-debug`, torch's CUDA sync debug mode is on for the timed run and ea
 place that synchronised the host with the device is printed once with its stack (a hidden
 sync in a launched-ahead step makes the device idle while the host works).
 
-Usage (GPU machine, repo root):
+Usage (GPU machine, repo root; on a CPU, e.g. `--random-weights tiny-llama`, it only checks
+the plumbing):
     PYTHONPATH=src python3 bench/device_busy.py --random-weights llama-3.1-8b \
         --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-batched-tokens 8192 \
         --async-scheduling --sync-debug
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if on_gpu:
             torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize()
+    if not on_gpu:
+        print(f"wall {wall_s:.2f} s; no device timing on the CPU (the steps run on the host)")
+        return 0
     busy = collections.defaultdict(list)
     for start, end, prompt in spans:
         busy["with prompt tokens" if prompt else "decode only"].append(start.elapsed_time(end))
