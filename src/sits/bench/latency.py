@@ -46,7 +46,7 @@ from sits.bench.offline_common import (
 )
 from sits.bench.report import command_line
 from sits.bench.roofline import StepShape
-from sits.bench.steps import StepRecorder, phase_counters
+from sits.bench.steps import StepRecorder, phase_counters, phases_text
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
 from sits.engine.requests import make_engine_requests
@@ -238,13 +238,7 @@ def _phase_line(phases: dict[str, float] | None) -> str | None:
     """`Decode step phases (ms per step): schedule 0.10, runner 11.60 (launch 0.30, ...)`."""
     if phases is None:
         return None
-    inner = [
-        f"{name} {phases[name]:.2f}" for name in ("launch", "shadow", "sync") if name in phases
-    ]
-    runner = f"runner {phases.get('runner', 0.0):.2f}" + (f" ({', '.join(inner)})" if inner else "")
-    parts = [f"schedule {phases.get('schedule', 0.0):.2f}", runner]
-    parts += [f"update {phases.get('update', 0.0):.2f}", f"other {phases['other']:.2f}"]
-    return "Decode step phases (ms per step): " + ", ".join(parts)
+    return "Decode step phases (ms per step): " + phases_text(phases, "other", phases["other"])
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

@@ -36,7 +36,7 @@ from sits.bench.offline_common import (
     write_json,
 )
 from sits.bench.report import command_line
-from sits.bench.steps import StepRecorder, phase_counters
+from sits.bench.steps import StepRecorder, phase_counters, phases_text
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
 
@@ -252,13 +252,10 @@ def format_throughput(doc: dict[str, Any], with_command: bool = True) -> str:
 
 
 def _phases_line(phase_s: dict[str, float], elapsed_s: float) -> str:
-    """`Engine phases (s in all): schedule 1.20, runner 95.00 [launch 3.10, shadow 0.20, sync
-    91.70], update 2.00; outside the steps 1.80` (sync: the host waiting for the device)."""
-    inner = ", ".join(f"{n} {phase_s[n]:.2f}" for n in ("launch", "shadow", "sync") if n in phase_s)
-    runner = f"runner {phase_s['runner']:.2f}" + (f" [{inner}]" if inner else "")
-    core = f"schedule {phase_s['schedule']:.2f}, {runner}, update {phase_s['update']:.2f}"
+    """`Engine phases (s in all): schedule 1.20, runner 95.00 (launch 3.10, shadow 0.20, sync
+    91.70), update 2.00, outside the steps 1.80` (sync: the host waiting for the device)."""
     outside = elapsed_s - sum(phase_s[n] for n in ("schedule", "runner", "update"))
-    return f"Engine phases (s in all): {core}; outside the steps {outside:.2f}"
+    return "Engine phases (s in all): " + phases_text(phase_s, "outside the steps", outside)
 
 
 def run_throughput(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sits.bench.roofline import StepShape, step_shape
 from sits.core.plan import StepPlan
+from sits.engine.loop_profile import CORE_PHASES, RUNNER_PHASES
 
 
 def shape_of_plan(plan: StepPlan) -> StepShape:
@@ -69,3 +70,13 @@ def phase_counters(core: Any) -> dict[str, float]:
     if runner_phases is not None:
         counters.update(runner_phases)
     return counters
+
+
+def phases_text(phases: dict[str, float], rest_name: str, rest: float) -> str:
+    """`schedule 0.10, runner 11.60 (launch 0.30, shadow 0.00, sync 11.20), update 0.05,
+    <rest_name> 0.40`: the engine's phase figures (`phase_counters`' names, in one unit) and
+    `rest`, the time outside them."""
+    inner = ", ".join(f"{n} {phases[n]:.2f}" for n in RUNNER_PHASES if n in phases)
+    schedule, runner, update = (phases.get(n, 0.0) for n in CORE_PHASES)
+    runner_text = f"runner {runner:.2f}" + (f" ({inner})" if inner else "")
+    return f"schedule {schedule:.2f}, {runner_text}, update {update:.2f}, {rest_name} {rest:.2f}"

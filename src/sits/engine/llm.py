@@ -203,15 +203,17 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
 
-        while core.has_unfinished_requests() or pending is not None:
-            if not core.has_unfinished_requests():
-                take_pending()  # the last step's outputs
-            else:
+        while True:
+            if core.has_unfinished_requests():
                 outputs = core.step(take_pending)
                 take_pending()  # a step with nothing scheduled does not call it
                 pending = (outputs, time.monotonic())
                 if self.experts is not None and core.num_steps % EXPERT_READ_PERIOD_STEPS == 0:
                     self.experts.read(core.num_steps)  # between steps: may restore experts
+            elif pending is not None:
+                take_pending()  # the last step's outputs
+            else:
+                break
             for child_id, stop_str in stops:
                 core.finish_requests([child_id], FinishReason.STOP, stop_str)
             stops.clear()

@@ -412,23 +412,22 @@ class ModelRunner:
             ([num_tokens (+ padding rows), hidden_size] hidden states, the flat index of each
             scheduled request's last token).
         """
-        graph_size = None
+        graph_size = bucket = None
         scheduled = plan.scheduled  # len(), not the num_tokens property: every request, step
         if self.graphs is not None and all(len(sr.token_ids) == 1 for sr in scheduled):
             graph_size = self.graphs.padded_size(len(scheduled))
         elif self.mixed_graphs is not None:
-            num_tokens = sum([len(sr.token_ids) for sr in scheduled])
-            bucket = self.mixed_graphs.padded_tokens(num_tokens)
-            if bucket is not None:
-                inputs = self.buffers.prepare(
-                    plan, pad_to_seqs=self.mixed_graphs.max_num_seqs, pad_to_tokens=bucket
-                )
-                if previous is not None:
-                    self._feed(plan, previous, inputs.input_ids)
-                return self.mixed_graphs.replay(bucket), inputs.last_token_indices
-        inputs = self.buffers.prepare(plan, pad_to_seqs=graph_size)
+            bucket = self.mixed_graphs.padded_tokens(sum([len(sr.token_ids) for sr in scheduled]))
+        if bucket is not None:  # a mixed-step graph: padded to its sequences and tokens
+            inputs = self.buffers.prepare(
+                plan, pad_to_seqs=self.mixed_graphs.max_num_seqs, pad_to_tokens=bucket
+            )
+        else:
+            inputs = self.buffers.prepare(plan, pad_to_seqs=graph_size)
         if previous is not None:
             self._feed(plan, previous, inputs.input_ids)
+        if bucket is not None:
+            return self.mixed_graphs.replay(bucket), inputs.last_token_indices
         if graph_size is not None:
             return self.graphs.replay(graph_size), inputs.last_token_indices
         ctx = ForwardContext(

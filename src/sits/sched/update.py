@@ -85,10 +85,12 @@ class SchedulerUpdate:
         requests = self._requests
         for scheduled in plan.scheduled:
             request = requests.get(scheduled.request_id)
-            # Skipped, unless preempted by the plan made while this (ahead) step ran: such a
-            # request still gets its token.
-            if (request is None or request.status is not RequestStatus.RUNNING) and not (
-                ahead and request is not None and not request.is_finished
+            if request is None:
+                continue
+            # Not running: skipped, unless preempted by the plan made while this (ahead) step
+            # ran: such a request still gets its token.
+            if request.status is not RequestStatus.RUNNING and not (
+                ahead and not request.is_finished
             ):
                 continue
             output = self._update_request(request, scheduled, result, ahead)
