@@ -372,7 +372,7 @@ class ServerQos:
         """
         too_large = self.admission.check_request_size(tenant, prompt_tokens, max_tokens)
         if too_large is not None:
-            raise _rejection(too_large, param_names)
+            raise rejection_error(too_large, param_names)
         breaker = self.breaker.allow()
         if not breaker.allowed:
             retry_s = breaker.retry_after_s or 1
@@ -394,7 +394,7 @@ class ServerQos:
         if decision.ticket is None:
             if breaker.is_probe:
                 self.breaker.release_probe()
-            raise _rejection(decision)
+            raise rejection_error(decision)
         timeout_s = self.backlog_limit_s(tenant) if over_quota else None
         return QosTicket(self, tenant, decision.ticket, breaker.is_probe, timeout_s)
 
@@ -434,11 +434,12 @@ class ServerQos:
         )
 
 
-def _rejection(
+def rejection_error(
     decision: AdmissionDecision, param_names: Mapping[str, str] | None = None
 ) -> ServerError:
     """The ServerError of an admission refusal (429 retryable, 400 per-request limit, its
-    parameter renamed by `param_names`)."""
+    parameter renamed by `param_names`); also the fleet router's answer to a tenant over its
+    fleet-wide limits, so both answer with the same status, codes and headers."""
     reason, message = decision.reason, decision.message
     assert reason is not None
     headers = ratelimit_headers(decision)
