@@ -86,7 +86,7 @@ def test_static_replicas_never_expire_and_follow_probes() -> None:
         HEALTHY,
     )
     assert replica.last_heartbeat_s is None
-    assert registry.candidates("m", pool="fallback") == []  # no models yet
+    assert registry.candidates("m", pool="fallback") == [replica]  # models unknown: any
     assert registry.candidates(None, pool="fallback") == [replica]
     assert registry.set_models(A, ["m"], max_model_len=2048) is True
     assert registry.set_models(B, ["m"]) is False
@@ -272,3 +272,27 @@ def test_invalid_static_replicas() -> None:
     with pytest.raises(InvalidParameterError) as err:
         registry.heartbeat(_hb(B), pool="zone2")
     assert err.value.param == "pool"
+
+
+def test_a_restarted_replica_rejoins_with_a_closed_breaker() -> None:
+    registry, clock = _registry(breaker_config=BreakerConfig(max_consecutive_failures=2))
+    replica = registry.heartbeat(_hb(A))
+    replica.breaker.record_failure()
+    replica.breaker.record_failure()
+    assert replica.breaker.state is BreakerState.OPEN
+    clock.set(6.0)
+    assert registry.expire() == [A]  # killed: its heartbeats stop
+    clock.set(7.0)
+    back = registry.heartbeat(_hb(A))  # the new process registers
+    assert back.status is HEALTHY
+    assert back.breaker.state is BreakerState.CLOSED
+    assert [r.url for r in registry.candidates("m")] == [A]
+
+
+def test_a_static_replica_without_known_models_is_tried_for_any_model() -> None:
+    registry, _ = _registry()
+    registry.add_static(A)
+    assert [r.url for r in registry.candidates("anything")] == [A]
+    registry.set_models(A, ("m",), 2048)
+    assert registry.candidates("anything") == []
+    assert [r.url for r in registry.candidates("m")] == [A]

@@ -6,7 +6,8 @@ and from registration (`sits serve --register-with`: a `Heartbeat` every
 
 Status rules (every time from the injected clock, in seconds):
 - a heartbeat registers or refreshes a replica; it brings a DOWN or DRAINING replica back to
-  HEALTHY, or makes it DRAINING when `load.draining` is set;
+  HEALTHY, or makes it DRAINING when `load.draining` is set; a DOWN replica that beats again is
+  a restarted process, so it comes back with a new (closed) breaker;
 - a registered replica whose last heartbeat is `missed_heartbeats * heartbeat_interval_s`
   seconds old or more becomes DOWN (`expire`, also run by `candidates`, `models`, `counts`);
 - a failed probe makes any replica DOWN; an ok probe brings back a DOWN or DRAINING *static*
@@ -98,8 +99,9 @@ class Replica:
         return self.version_label == CANARY_VERSION_LABEL
 
     def serves(self, model: str | None) -> bool:
-        """It serves `model` (None: any model)."""
-        return model is None or model in self.models
+        """It serves `model` (None: any model; a replica whose models are not known yet, a
+        static one before its `/v1/models` was read, is tried for any model)."""
+        return model is None or not self.models or model in self.models
 
 
 class Registry:
@@ -214,6 +216,8 @@ class Registry:
             replica.load = hb.load
             if not replica.static:
                 replica.version_label = hb.version_label
+        if replica.status is ReplicaStatus.DOWN:
+            replica.breaker = CircuitBreaker(self.breaker_config, self._clock)
         replica.last_heartbeat_s = self._clock.monotonic()
         replica.status = ReplicaStatus.DRAINING if hb.load.draining else ReplicaStatus.HEALTHY
         return replica
