@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sits.cli.audit import add_audit_parser
     from sits.cli.bench import add_bench_parser
     from sits.cli.generate import add_generate_parser
+    from sits.cli.router import add_router_parser
     from sits.cli.serve import add_serve_parser
     from sits.cli.tenants import add_tenants_parser
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
+    add_router_parser(subparsers)
     add_tenants_parser(subparsers)
     add_bench_parser(subparsers)
     add_audit_parser(subparsers)
