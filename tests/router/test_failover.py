@@ -136,12 +136,15 @@ def test_no_replica_left_is_a_503_with_retry_after() -> None:
 
 def test_streams_pass_through_frame_by_frame_with_the_replicas_headers() -> None:
     replica = FakeReplica(num_tokens=6)
-    with serve(replica.app()) as url:
-        with serve(_router([url])) as router_url, httpx.Client(base_url=router_url) as client:
-            with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
-                assert r.headers["content-type"].startswith("text/event-stream")
-                assert r.headers["x-sits-replica"] == url
-                frames = list(r.iter_text())
+    with (
+        serve(replica.app()) as url,
+        serve(_router([url])) as router_url,
+        httpx.Client(base_url=router_url) as client,
+        client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r,
+    ):
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-sits-replica"] == url
+        frames = list(r.iter_text())
     text = "".join(frames)
     events = _events(text)
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [
