@@ -10,7 +10,8 @@ With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded
 model work; a malformed file exits 2 with the file, line and field named, and an API key
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
 FCFS scheduling. With `--engine-process` the engine's step loop runs in a child process
-(`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop.
+(`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop. The fleet flags
+(`--register-with`, `--router-key`, ...) are in `sits.cli.fleet_flags`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.cli.flags import flag_prefix
+from sits.cli.fleet_flags import (
+    add_fleet_args,
+    registration_arg,
+    resolve_router_key,
+)
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
@@ -194,6 +200,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
     )
+    add_fleet_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -326,8 +333,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
         return EXIT_BAD_CONFIG
     api_key = resolve_api_key(args, os.environ)
+    router_key = resolve_router_key(args, os.environ)
     try:
         tenants = load_tenants_arg(args.tenants, api_key)
+        registration = registration_arg(args, router_key)
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation is refused here, before the model loads.
@@ -385,6 +394,8 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_key=resolve_admin_key(args, os.environ),
         tracing=tracing,
         gpu_price_per_hour=args.gpu_price_per_hour,
+        router_key=router_key,
+        registration=registration,
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level, http=http, loop=args.loop)

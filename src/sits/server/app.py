@@ -2,8 +2,9 @@
 
 The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics registry) in
 `app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor
-and the overload watcher and, on exit, stops them, (optionally) shuts the engine down and then
-closes the audit log. `QosHeadersMiddleware` puts the
+and the overload watcher (and, with `--register-with`, the fleet heartbeat task) and, on exit,
+stops them, (optionally) shuts the engine down and then closes the audit log.
+`QosHeadersMiddleware` puts the
 overload state and the tenant's rate-limit headers on every response; with tracing on,
 `TracingMiddleware` makes one trace per request (`sits.server.tracing`). `GET /dashboard` serves
 the live dashboard (`sits.server.dashboard`). Nothing is global, so one process may build
@@ -62,10 +63,14 @@ def build_app(
         lifecycle.start()
         ctx.overload_watcher.start()
         ctx.loop_lag.start()
+        if ctx.registration is not None:
+            ctx.registration.start()
         try:
             yield
         finally:
             try:
+                if ctx.registration is not None:
+                    await ctx.registration.stop()
                 await ctx.overload_watcher.stop()
                 await ctx.loop_lag.stop()
                 await lifecycle.stop()

@@ -1,8 +1,9 @@
 """`ServerSettings` (what the CLI decides) and `ServerContext` (what every handler uses).
 
 One context per app: the engine, the settings, the lifecycle (drain, health), the QoS state
-(tenants, rate limits, breaker, overload) with its watcher, and the metrics. Handlers get it
-from `request.app.state.ctx`; nothing is global.
+(tenants, rate limits, breaker, overload) with its watcher, the metrics, and the fleet pieces
+(the heartbeat task of `--register-with`).
+Handlers get it from `request.app.state.ctx`; nothing is global.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sits.server.loop_lag import EventLoopLagMonitor
 from sits.server.metrics import ServerMetrics
 from sits.server.overload_watch import OverloadWatcher
 from sits.server.qos import QosSettings, ServerQos
+from sits.server.registration import FleetRegistration, RegistrationSettings
 from sits.server.tenant_metrics import QosCollector, TenantMetrics
 from sits.server.tracing import RequestTracer
 from sits.tenancy import TenantConfig, TenantsConfig
@@ -59,10 +61,15 @@ class ServerSettings:
             None = off.
         gpu_price_per_hour: price of one GPU-hour (`--gpu-price-per-hour`) for the cost
             metrics (`sits.server.cost_metrics`); 0 = no cost metrics.
+        router_key: the fleet router's bearer key (`--router-key`): the key of the heartbeat
+            posts, and the only key whose requests may name their tenant in `x-sits-tenant`
+            (`sits.server.trusted`); None = no router.
+        registration: register with a fleet router and send it heartbeats (`--register-with`,
+            `sits.server.registration`); None = not part of a fleet (needs `router_key`).
 
     Raises:
-        InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), or
-            a negative or non-finite GPU price.
+        InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), a
+            negative or non-finite GPU price, or `registration` without `router_key`.
     """
 
     served_model_name: str | None = None
@@ -79,8 +86,15 @@ class ServerSettings:
     admin_key: str | None = None
     tracing: TracingSettings | None = None
     gpu_price_per_hour: float = 0.0
+    router_key: str | None = None
+    registration: RegistrationSettings | None = None
 
     def __post_init__(self) -> None:
+        if self.registration is not None and not self.router_key:
+            raise InvalidParameterError(
+                "router_key",
+                "--register-with needs the router's key: --router-key KEY or $SITS_ROUTER_KEY",
+            )
         if not (math.isfinite(self.gpu_price_per_hour) and self.gpu_price_per_hour >= 0):
             raise InvalidParameterError(
                 "gpu_price_per_hour", f"must be a number >= 0, got {self.gpu_price_per_hour}"
@@ -115,6 +129,8 @@ class ServerContext:
         tracer: the request tracer (`sits.server.tracing`), or None when tracing is off.
         tokenize_executor: the one thread that tokenizes prompts (`run_tokenizer`); shut down
             by the app's lifespan.
+        registration: the fleet heartbeat task (started and stopped by the app's lifespan),
+            or None without `settings.registration`.
     """
 
     def __init__(
@@ -158,6 +174,18 @@ class ServerContext:
             engine.stats, tenants, tenant_metrics, self.model_name, settings.gpu_price_per_hour
         )
         self.metrics.registry.register(self.cost)
+        self.registration: FleetRegistration | None = None
+        if settings.registration is not None:
+            assert settings.router_key is not None  # checked by ServerSettings
+            self.registration = FleetRegistration(
+                settings.registration,
+                settings.router_key,
+                engine=engine,
+                lifecycle=lifecycle,
+                model_name=self.model_name,
+                overload_state=lambda: self.qos.overload_state.value,
+                timelines=self.metrics.timelines,
+            )
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer thread, with the caller's context variables.

@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from sits.server.auth import keys_match, presented_key
 from sits.server.cost_metrics import SECONDS_PER_HOUR, cost_per_million_tokens
 from sits.server.errors import ServerError
-from sits.server.timeline import RequestTimeline, percentiles
+from sits.server.timeline import RequestTimeline, latency_summary
 
 if TYPE_CHECKING:
     from sits.server.context import ServerContext
@@ -92,15 +92,9 @@ def _finite(value: float | None) -> float | None:
 
 
 def _latency(timelines: Sequence[RequestTimeline]) -> dict[str, Any]:
-    """p50/p90/p99 of TTFT, TPOT, E2E and queue time (seconds) over `timelines`."""
-    done = [t for t in timelines if t.finish_reason != "abort"]
-    return {
-        "num_requests": len(done),
-        "ttft_s": percentiles(t.ttft_s for t in done if t.ttft_s is not None),
-        "tpot_s": percentiles(t.tpot_s for t in done if t.tpot_s is not None),
-        "e2e_s": percentiles(t.e2e_s for t in done),
-        "queue_s": percentiles(t.queue_s for t in done if t.queue_s is not None),
-    }
+    """p50/p90/p99 of TTFT, TPOT, E2E and queue time (seconds) over `timelines`
+    (`sits.server.timeline.latency_summary`, which the fleet heartbeats share)."""
+    return latency_summary(timelines)
 
 
 def _offset(t: float | None, origin: float) -> float | None:

@@ -5,9 +5,10 @@ States: serving -> draining (SIGTERM) -> stopped, or serving -> engine dead (loo
 Invariants:
 - While draining or once the engine is unhealthy, `admit()` raises 503 at once: new requests
   never wait on an engine that will not serve them.
-- `drain()` lets admitted requests finish for up to `shutdown_timeout_s`, then fails the jobs
-  still open with a 503 error (streams end with an error event) and returns whether the drain
-  was clean (nothing cut).
+- `drain()` sets `drain_started` at once (the fleet registration deregisters on it), lets
+  admitted requests finish for up to `shutdown_timeout_s`, then fails the jobs still open
+  with a 503 error (streams end with an error event) and returns whether the drain was clean
+  (nothing cut).
 - The monitor polls `engine.is_healthy()`; when it turns False every open job fails at once
   with `EngineDeadError` and `on_fatal(exit_code)` asks the process to exit non-zero.
 """
@@ -76,6 +77,11 @@ class ServerLifecycle:
         self.engine_dead = False
         self.num_admitted = 0
         self._jobs: set[GenerationJob] = set()
+        self.drain_started = asyncio.Event()  # set by the first `drain()`
+        # Set by `sits.server.runner.DrainingServer` once its sockets accept connections, with
+        # the port bound (useful with port 0); never set for an app served otherwise.
+        self.listening = asyncio.Event()
+        self.bound_port: int | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._monitor: asyncio.Task[None] | None = None
@@ -157,6 +163,7 @@ class ServerLifecycle:
             True when every admitted request finished within `shutdown_timeout_s`.
         """
         self.draining = True
+        self.drain_started.set()
         logger.info(
             "draining: %d request(s) in flight, waiting up to %.1f s",
             self.num_admitted,

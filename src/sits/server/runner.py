@@ -57,6 +57,15 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets=sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, then tell the lifecycle the server listens (and on which port):
+        the fleet registration waits for it before its first post."""
+        await super().startup(sockets=sockets)
+        if not self.started:
+            return
+        self.lifecycle.bound_port = _bound_port(self.servers)
+        self.lifecycle.listening.set()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Signal handler: the first signal drains, a second one stops at once. After the
         engine's death the server is stopping already: the first signal is only noted (a
@@ -88,6 +97,16 @@ class DrainingServer(uvicorn.Server):
         """Stop serving and make `run_app` return `exit_code` (engine death)."""
         self.exit_code = exit_code
         self.should_exit = True
+
+
+def _bound_port(servers: list[asyncio.Server]) -> int | None:
+    """The TCP port of the first IP socket of uvicorn's servers (None: none, e.g. a Unix
+    socket)."""
+    for server in servers:
+        for sock in server.sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return int(sock.getsockname()[1])
+    return None
 
 
 def make_server(

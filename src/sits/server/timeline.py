@@ -3,17 +3,19 @@
 `RequestRecorder` (`sits.server.metrics`) adds one `RequestTimeline` when an engine request
 ends (finished or aborted), from the timestamps the engine put on its outputs
 (`RequestMetrics`, time.monotonic() seconds). The dashboard draws them as timelines (queue,
-prefill chunks, decode) and takes its latency percentiles from them. Invariants: at most
-`max_requests` entries (the oldest go first); appended and read on the event loop's thread
-only, so no lock is needed.
+prefill chunks, decode); `latency_summary` gives their latency percentiles, shown by the
+dashboard and sent to the fleet router in heartbeats (`sits.server.registration`).
+Invariants: at most `max_requests` entries (the oldest go first); appended and read on the
+event loop's thread only, so no lock is needed.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MAX_REQUESTS = 256
 
@@ -114,3 +116,21 @@ def percentiles(values: Iterable[float], qs: Iterable[float] = (50, 90, 99)) -> 
         rank = max(math.ceil(q / 100 * len(ordered)), 1)
         out[f"p{q:g}"] = ordered[rank - 1]
     return out
+
+
+def latency_summary(timelines: Sequence[RequestTimeline]) -> dict[str, Any]:
+    """p50/p90/p99 (`percentiles`) of TTFT, TPOT, E2E and queue time, seconds, over the
+    requests of `timelines` that were not aborted.
+
+    Returns:
+        {"num_requests": N, "ttft_s": {...}, "tpot_s": {...}, "e2e_s": {...}, "queue_s": {...}},
+        each inner dict {} when no request has that figure.
+    """
+    done = [t for t in timelines if t.finish_reason != "abort"]
+    return {
+        "num_requests": len(done),
+        "ttft_s": percentiles(t.ttft_s for t in done if t.ttft_s is not None),
+        "tpot_s": percentiles(t.tpot_s for t in done if t.tpot_s is not None),
+        "e2e_s": percentiles(t.e2e_s for t in done),
+        "queue_s": percentiles(t.queue_s for t in done if t.queue_s is not None),
+    }
