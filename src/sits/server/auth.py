@@ -6,6 +6,9 @@ in constant time); a missing or unknown key gets 401 (OpenAI's `invalid_api_key`
 the config has an anonymous tenant. Without `--tenants` the config is
 `TenantsConfig.default(api_key)`: with `--api-key` that key is required, without it every
 request is the default tenant's. /health and /metrics stay open for probes and scrapers.
+With a router key (`--router-key`), a request presenting it is the fleet router's and its
+tenant is the one the router names in `x-sits-tenant` (`sits.server.trusted.router_tenant`);
+that header is ignored on requests with any other key.
 The tenant is stored in the request state (`TENANT_STATE_KEY`) for handlers and headers.
 """
 
@@ -15,8 +18,10 @@ import hmac
 
 from fastapi import Request
 
+from sits.core.fleet import TENANT_HEADER
 from sits.server.errors import ServerError
 from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.server.trusted import router_tenant
 from sits.tenancy import TenantConfig
 
 
@@ -42,10 +47,19 @@ async def require_tenant(request: Request) -> None:
     """FastAPI dependency: authenticate the request's tenant or raise 401.
 
     Raises:
-        ServerError: 401 with code "invalid_api_key".
+        ServerError: 401 with code "invalid_api_key"; for the router key, 401 with code
+            "unknown_tenant" or "missing_tenant_header" (`router_tenant`).
     """
+    ctx = request.app.state.ctx
     presented = presented_key(request)
-    tenant = request.app.state.ctx.qos.authenticate(presented)
+    router_key = ctx.settings.router_key
+    if router_key and keys_match(router_key, presented):
+        header = request.headers.get(TENANT_HEADER)
+        from_file = ctx.settings.tenants is not None
+        tenant = router_tenant(ctx.qos.tenants, header, from_file=from_file)
+        setattr(request.state, TENANT_STATE_KEY, tenant)
+        return
+    tenant = ctx.qos.authenticate(presented)
     if tenant is None:
         message = (
             "Missing API key: pass it as 'Authorization: Bearer KEY'."
