@@ -1,5 +1,5 @@
-"""The fleet flags of `sits serve`: registration with `sits router` and the router key
-(`add_fleet_args`), and their resolution into server settings.
+"""The fleet flags of `sits serve`: registration with `sits router`, the router key, and fault
+injection (`add_fleet_args`), and their resolution into server settings.
 
 - `--register-with URL` registers with the router at URL and sends it heartbeats
   (`sits.server.registration`); it needs the router key, from `--router-key` or else the
@@ -9,6 +9,8 @@
   so it needs `--advertise-url`.
 - `--router-key` alone lets the router name a request's tenant in `x-sits-tenant`
   (`sits.server.trusted`).
+- `--fault-injection SPEC` (`sits.server.faults`) is refused unless `--enable-fault-injection`
+  is also given; `--fault-seed` seeds its decisions.
 The resolvers raise `InvalidParameterError`, which `run_serve` turns into exit status 2 before
 any model work.
 """
@@ -23,6 +25,7 @@ from sits.core.errors import InvalidParameterError
 from sits.core.fleet import DEFAULT_VERSION_LABEL
 
 if TYPE_CHECKING:
+    from sits.server.faults import FaultSpec
     from sits.server.registration import RegistrationSettings
 
 ROUTER_KEY_ENV = "SITS_ROUTER_KEY"
@@ -65,6 +68,27 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         metavar="LABEL",
         help="the version label sent to the router: 'stable' (default) or 'canary' (the "
         "router ramps a canary's traffic up or rolls it back)",
+    )
+    group.add_argument(
+        "--fault-injection",
+        default=None,
+        metavar="SPEC",
+        help="FOR TESTS AND CHAOS DRILLS ONLY: inject faults into a share of /v1/completions "
+        "and /v1/chat/completions requests, as Envoy's fault filter; SPEC is comma-separated "
+        "delay=SECONDS@PERCENT, abort=STATUS@PERCENT, hang@PERCENT (e.g. "
+        "'delay=0.5@20,abort=503@5'). Refused without --enable-fault-injection",
+    )
+    group.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="allow --fault-injection (off by default)",
+    )
+    group.add_argument(
+        "--fault-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the fault decisions (default 0: the same requests fail on every run)",
     )
 
 
@@ -112,3 +136,23 @@ def registration_arg(
     except InvalidParameterError as exc:
         flag = _FLAG_OF.get(exc.param, "--register-with")
         raise InvalidParameterError(exc.param, f"{flag}: {exc}") from None
+
+
+def fault_injection_arg(args: argparse.Namespace) -> FaultSpec | None:
+    """The `FaultSpec` of --fault-injection (None without it).
+
+    Raises:
+        InvalidParameterError: --fault-injection without --enable-fault-injection, or a
+            malformed SPEC (the message names the item).
+    """
+    from sits.server.faults import parse_fault_spec
+
+    if args.fault_injection is None:
+        return None
+    if not args.enable_fault_injection:
+        raise InvalidParameterError(
+            "fault_injection",
+            "--fault-injection makes requests fail on purpose: add --enable-fault-injection "
+            "to really start a server that does",
+        )
+    return parse_fault_spec(args.fault_injection, seed=args.fault_seed)

@@ -11,7 +11,7 @@ model work; a malformed file exits 2 with the file, line and field named, and an
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
 FCFS scheduling. With `--engine-process` the engine's step loop runs in a child process
 (`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop. The fleet flags
-(`--register-with`, `--router-key`, ...) are in `sits.cli.fleet_flags`.
+(`--register-with`, `--router-key`, `--fault-injection`, ...) are in `sits.cli.fleet_flags`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.cli.flags import flag_prefix
 from sits.cli.fleet_flags import (
     add_fleet_args,
+    fault_injection_arg,
     registration_arg,
     resolve_router_key,
 )
@@ -337,6 +338,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         tenants = load_tenants_arg(args.tenants, api_key)
         registration = registration_arg(args, router_key)
+        fault_injection = fault_injection_arg(args)
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation is refused here, before the model loads.
@@ -396,6 +398,7 @@ def run_serve(args: argparse.Namespace) -> int:
         gpu_price_per_hour=args.gpu_price_per_hour,
         router_key=router_key,
         registration=registration,
+        fault_injection=fault_injection,
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level, http=http, loop=args.loop)

@@ -3,8 +3,9 @@
 The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics registry) in
 `app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor
 and the overload watcher (and, with `--register-with`, the fleet heartbeat task) and, on exit,
-stops them, (optionally) shuts the engine down and then closes the audit log.
-`QosHeadersMiddleware` puts the
+stops them, (optionally) shuts the engine down and then closes the audit log. With
+`--fault-injection`, `FaultInjectionMiddleware` (innermost, `sits.server.faults`) delays, fails
+or hangs a share of the generation requests. `QosHeadersMiddleware` puts the
 overload state and the tenant's rate-limit headers on every response; with tracing on,
 `TracingMiddleware` makes one trace per request (`sits.server.tracing`). `GET /dashboard` serves
 the live dashboard (`sits.server.dashboard`). Nothing is global, so one process may build
@@ -13,6 +14,7 @@ several apps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -24,12 +26,15 @@ from sits.server.context import ServerContext, ServerSettings
 from sits.server.dashboard import dashboard_router
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
+from sits.server.faults import FaultInjectionMiddleware
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos_headers import QosHeadersMiddleware
 from sits.server.received import ReceivedAtMiddleware
 from sits.server.routes import api_router, ops_router
 from sits.server.serving_common import count_invalid_body
 from sits.server.tracing import TracingMiddleware
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(
@@ -63,6 +68,13 @@ def build_app(
         lifecycle.start()
         ctx.overload_watcher.start()
         ctx.loop_lag.start()
+        if ctx.faults is not None:
+            logger.warning(
+                "fault injection is ON (%s, seed %d): a share of /v1/completions and "
+                "/v1/chat/completions requests is delayed, failed or hung on purpose",
+                ctx.faults.spec.describe(),
+                ctx.faults.spec.seed,
+            )
         if ctx.registration is not None:
             ctx.registration.start()
         try:
@@ -91,6 +103,10 @@ def build_app(
     )
     app.state.ctx = ctx
     install_error_handlers(app, on_invalid_body=count_invalid_body)
+    if ctx.faults is not None:  # innermost: the outer middlewares see the injected answers
+        app.add_middleware(
+            FaultInjectionMiddleware, injector=ctx.faults, drain_started=lifecycle.drain_started
+        )
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
     if ctx.tracer is not None:  # sees every status and ends after the stream
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)

@@ -2,7 +2,7 @@
 
 One context per app: the engine, the settings, the lifecycle (drain, health), the QoS state
 (tenants, rate limits, breaker, overload) with its watcher, the metrics, and the fleet pieces
-(the heartbeat task of `--register-with`).
+(the heartbeat task of `--register-with`, the fault injector of `--fault-injection`).
 Handlers get it from `request.app.state.ctx`; nothing is global.
 """
 
@@ -23,6 +23,7 @@ from sits.server.audit_sink import AuditSettings, ServerAudit
 from sits.server.cost_metrics import CostCollector
 from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
+from sits.server.faults import FaultInjector, FaultSpec
 from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.loop_lag import EventLoopLagMonitor
@@ -66,6 +67,8 @@ class ServerSettings:
             (`sits.server.trusted`); None = no router.
         registration: register with a fleet router and send it heartbeats (`--register-with`,
             `sits.server.registration`); None = not part of a fleet (needs `router_key`).
+        fault_injection: the faults injected into generation requests (`--fault-injection`,
+            `sits.server.faults`); None = off (the default).
 
     Raises:
         InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), a
@@ -88,6 +91,7 @@ class ServerSettings:
     gpu_price_per_hour: float = 0.0
     router_key: str | None = None
     registration: RegistrationSettings | None = None
+    fault_injection: FaultSpec | None = None
 
     def __post_init__(self) -> None:
         if self.registration is not None and not self.router_key:
@@ -131,6 +135,7 @@ class ServerContext:
             by the app's lifespan.
         registration: the fleet heartbeat task (started and stopped by the app's lifespan),
             or None without `settings.registration`.
+        faults: the fault injector, or None without `settings.fault_injection`.
     """
 
     def __init__(
@@ -185,6 +190,11 @@ class ServerContext:
                 model_name=self.model_name,
                 overload_state=lambda: self.qos.overload_state.value,
                 timelines=self.metrics.timelines,
+            )
+        self.faults: FaultInjector | None = None
+        if settings.fault_injection is not None:
+            self.faults = FaultInjector(
+                settings.fault_injection, self.metrics.registry, self.model_name
             )
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:

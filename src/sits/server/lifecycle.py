@@ -5,10 +5,10 @@ States: serving -> draining (SIGTERM) -> stopped, or serving -> engine dead (loo
 Invariants:
 - While draining or once the engine is unhealthy, `admit()` raises 503 at once: new requests
   never wait on an engine that will not serve them.
-- `drain()` sets `drain_started` at once (the fleet registration deregisters on it), lets
-  admitted requests finish for up to `shutdown_timeout_s`, then fails the jobs still open
-  with a 503 error (streams end with an error event) and returns whether the drain was clean
-  (nothing cut).
+- `drain()` sets `drain_started` at once (the fleet registration deregisters on it, a hung
+  injected fault answers on it), lets admitted requests finish for up to
+  `shutdown_timeout_s`, then fails the jobs still open with a 503 error (streams end with an
+  error event) and returns whether the drain was clean (nothing cut).
 - The monitor polls `engine.is_healthy()`; when it turns False every open job fails at once
   with `EngineDeadError` and `on_fatal(exit_code)` asks the process to exit non-zero.
 """
