@@ -298,8 +298,18 @@ class Proxy:
             self._end(call, replica, answer.status, failed, None, None, _usage_total(answer.body))
             return Response(answer.body, status_code=answer.status, headers=headers)
         assert answer.chunks is not None
+
+        def on_first_frame(now_s: float) -> None:
+            ttft_s = now_s - call.start_s
+            replica.observed_ttft.add(ttft_s)
+            self.metrics.ttft.labels(replica.url).observe(ttft_s)
+
         relay = StreamRelay(
-            answer.first_chunk, answer.chunks, self.clock, strip_usage=call.strip_usage
+            answer.first_chunk,
+            answer.chunks,
+            self.clock,
+            strip_usage=call.strip_usage,
+            on_first_frame=on_first_frame,
         )
         upstream = answer.upstream
 
@@ -330,9 +340,6 @@ class Proxy:
             replica.breaker.record_failure()
         else:
             replica.breaker.record_success()
-        if ttft_s is not None:
-            replica.observed_ttft.add(ttft_s)
-            self.metrics.ttft.labels(replica.url).observe(ttft_s)
         self.metrics.e2e.labels(replica.url).observe(self.clock.monotonic() - call.start_s)
         self.metrics.requests.labels(replica.url, str(status)).inc()
         self._record_canary(replica, ttft_s, tpot_s, failed)

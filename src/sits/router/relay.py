@@ -13,7 +13,7 @@ on the client's behalf. A stream that breaks after frames were sent is never rep
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -36,6 +36,8 @@ class StreamRelay:
         chunks: the rest of the upstream body.
         clock: time source of the frame times.
         strip_usage: drop the usage-only chunk (the client did not ask for it).
+        on_first_frame: called with the first data frame's clock time as it passes (the TTFT
+            reaches the predictor before the stream ends).
 
     Attributes (read after the stream ends):
         first_frame_s, last_frame_s: clock times of the first and last data frames.
@@ -53,11 +55,13 @@ class StreamRelay:
         clock: Clock,
         *,
         strip_usage: bool,
+        on_first_frame: Callable[[float], None] | None = None,
     ) -> None:
         self._first = first_chunk
         self._chunks = chunks
         self._clock = clock
         self._strip_usage = strip_usage
+        self._on_first_frame = on_first_frame
         self.first_frame_s: float | None = None
         self.last_frame_s: float | None = None
         self.num_frames = 0
@@ -117,6 +121,8 @@ class StreamRelay:
         now_s = self._clock.monotonic()
         if self.first_frame_s is None:
             self.first_frame_s = now_s
+            if self._on_first_frame is not None:
+                self._on_first_frame(now_s)
         self.last_frame_s = now_s
         self.num_frames += 1
         return frame.decode("utf-8", "replace")
