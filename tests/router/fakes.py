@@ -15,6 +15,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -123,6 +124,16 @@ def serve(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def wait_until(predicate: Any, what: str, bound_s: float = 60.0) -> None:
+    """Poll `predicate` until it holds (the router accounts a stream in its close callback, just
+    after the client read the last byte); `bound_s` only guards against a hang."""
+    end = time.monotonic() + bound_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.005)
 
 
 def closed_port_url() -> str:

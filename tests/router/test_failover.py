@@ -12,7 +12,7 @@ from sits.admission import BreakerConfig
 from sits.router.app import build_router_app
 from sits.router.registry import ReplicaStatus
 from sits.router.settings import RouterSettings
-from tests.router.fakes import FakeReplica, closed_port_url, serve
+from tests.router.fakes import FakeReplica, closed_port_url, serve, wait_until
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -98,8 +98,9 @@ def test_a_stream_cut_after_tokens_ends_with_an_error_event_and_is_not_replayed(
             app.state.router.registry.add_static(ok_url)
             app.state.router.registry.get(ok_url).inflight = 100  # the cut one is chosen
             response = client.post("/v1/completions", json={**BODY, "stream": True})
-            breaker = app.state.router.registry.get(cut_url).breaker
-            failures = breaker.window_counts()
+            cut_replica = app.state.router.registry.get(cut_url)
+            wait_until(lambda: cut_replica.inflight == 0, "the stream accounted")
+            failures = cut_replica.breaker.window_counts()
     events = _events(response.text)
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:3]]
     assert texts == ["", "t0", "t1"]  # what the replica sent, once
