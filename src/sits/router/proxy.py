@@ -154,7 +154,9 @@ class Proxy:
         group, is_canary = self._canary_group(primary)
         fallbacks = [r for r in self.registry.candidates(model, "fallback") if r.url not in tried]
         if fallbacks:
-            predictions = [predict_ttft_p99_s(r.observed_ttft, r.load, r.inflight) for r in group]
+            predictions = [
+                predict_ttft_p99_s(r.observed_ttft, r.load, max(r.inflight, 0)) for r in group
+            ]
             if not group or fallback_needed(predictions, ttft_limit_s):
                 choice = choose(fallbacks, key, self.settings.load_bound)
                 if choice is not None:
