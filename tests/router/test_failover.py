@@ -154,3 +154,31 @@ def test_streams_pass_through_frame_by_frame_with_the_replicas_headers() -> None
     ]
     assert events[-1] == "[DONE]"
     assert "stream_options" not in replica.seen[0]["body"]  # without tenants: sent as is
+
+
+def test_a_model_no_replica_serves_is_a_404() -> None:
+    replica = FakeReplica()
+    with serve(replica.app()) as url:
+        app = _router([url])
+        with serve(app) as router_url, httpx.Client(base_url=router_url) as client:
+            app.state.router.registry.set_models(url, ("fake-model",), 1024)
+            response = client.post("/v1/completions", json={**BODY, "model": "other"})
+            served = client.post("/v1/completions", json=BODY)
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+    assert served.status_code == 200
+    assert len(replica.seen) == 1
+
+
+def test_a_client_that_leaves_cancels_its_attempt() -> None:
+    slow = FakeReplica(behaviour="sleep:600")
+    with serve(slow.app()) as url:
+        app = _router([url])
+        with serve(app) as router_url:
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=router_url) as client:
+                client.post("/v1/completions", json=BODY, timeout=0.5)
+            replica = app.state.router.registry.get(url)
+            wait_until(lambda: replica.inflight == 0, "the attempt cancelled")
+            breaker = replica.breaker.window_counts()
+    assert len(slow.seen) == 1
+    assert breaker == (0, 0)  # a client leaving says nothing about the replica

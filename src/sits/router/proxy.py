@@ -46,7 +46,7 @@ from sits.router.relay import StreamRelay
 from sits.router.settings import RouterSettings
 from sits.server.auth import presented_key
 from sits.server.errors import ServerError
-from sits.server.sse import SSEResponse
+from sits.server.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -190,16 +190,20 @@ class Proxy:
         """Answer one client request through the fleet.
 
         Raises:
-            ServerError: 401 / 429 from the tenant's limits; 503 `no_replica` when no replica
-                could take it.
+            ServerError: 401 / 429 from the tenant's limits; 404 for a model no replica serves;
+                503 `no_replica` when no replica could take it now.
         """
         call = await self._prepare(request, path)
         try:
-            response = await self._attempts(call)
+            # A client that leaves while its request is on the way or a non-streamed answer is
+            # being made cancels the attempt (its replica then aborts the work).
+            return await run_until_disconnect(request.receive, self._attempts(call))
+        except ClientDisconnected:
+            self._release(call, None)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except BaseException:
             self._release(call, None)
             raise
-        return response
 
     async def _prepare(self, request: Request, path: str) -> _Call:
         start_s = self.clock.monotonic()
@@ -244,6 +248,8 @@ class Proxy:
                 break
             replica = pick.replica
             tried.add(replica.url)
+            if last is not None:
+                self.metrics.retries.labels(last.kind).inc()
             self.metrics.decisions.labels(pick.reason.value).inc()
             replica.inflight += 1
             try:
@@ -263,8 +269,15 @@ class Proxy:
                 return self._answer(call, replica, outcome)
             replica.inflight -= 1
             self._count_failure(replica, outcome, pick.is_probe)
-            self.metrics.retries.labels(outcome.kind).inc()
             last = outcome
+        if last is None and call.model is not None and not self._known(call.model):
+            self._release(call, 0)
+            raise ServerError(
+                404,
+                f"The model `{call.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
         self.metrics.no_replica.inc()
         self.metrics.requests.labels("none", "503").inc()
         self._release(call, 0)
@@ -277,6 +290,11 @@ class Proxy:
             code="no_replica",
             headers={"Retry-After": "1"},
         )
+
+    def _known(self, model: str) -> bool:
+        """True when some replica, in rotation or not, serves `model` or has not said what it
+        serves."""
+        return any(not r.models or model in r.models for r in self.registry.all())
 
     def _count_failure(self, replica: Replica, failure: Failure, is_probe: bool) -> None:
         self.metrics.errors.labels(replica.url, failure.kind).inc()
