@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per heartbeat or request
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

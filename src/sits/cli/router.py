@@ -185,7 +185,6 @@ def run_router(args: argparse.Namespace) -> int:
     from sits.router.app import build_router_app
 
     logging.getLogger("sits").setLevel(args.log_level.upper())
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     try:
         settings = router_settings(args, os.environ)
     except SitsError as exc:

@@ -26,7 +26,7 @@ from one event loop.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -346,6 +346,7 @@ class Registry:
                 "inflight": r.inflight,
                 "probe_ok": r.probe_ok,
                 "breaker": r.breaker.state.value,
+                "load": asdict(r.load),
                 "heartbeat_age_s": (
                     None if r.last_heartbeat_s is None else now_s - r.last_heartbeat_s
                 ),
