@@ -12,6 +12,9 @@
 - `serve`: `sits bench serve` (flags and the run);
 - `server_proc`, `qos_compare`: `sits bench qos`, the same tenant mix against `sits serve`
   subprocesses with and without QoS;
+- `fleet_procs`, `router_overhead`, `router_kill`: the fleet router's cost against direct
+  connections to the same loopback replicas (paced fakes, `sits.testing.fake_replica`, or
+  `sits serve`), and the requests lost when one replica is killed under load (issue 24);
 - offline benchmarks of the engine itself: `offline` (`sits bench throughput`), `latency`
   (`sits bench latency`), with `offline_common` (flags, engine config, prompts, tables),
   `shapes` (named real model shapes for `--random-weights`), `steps` (what each engine step

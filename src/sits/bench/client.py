@@ -35,6 +35,7 @@ ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
 _MAX_ERROR_CHARS = 300
 HTTP_LOGGERS = ("httpx", "httpcore")
 PROCESSING_MS_HEADER = "openai-processing-ms"  # OpenAI's and sits': receipt -> response start
+STREAM_CUT_ERROR = "the stream ended without [DONE]"  # `RequestRecord.error` of a cut stream
 
 
 def _processing_s(value: str | None) -> float | None:
@@ -169,7 +170,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
             record.num_chunks += 1
             if not have_usage:
                 record.output_tokens = record.num_chunks
-    record.error = "the stream ended without [DONE]"
+    record.error = STREAM_CUT_ERROR
     return False
 
 
