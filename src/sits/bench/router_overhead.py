@@ -234,12 +234,15 @@ _HEADER = (
 def format_report(doc: dict[str, Any]) -> str:
     """The printed report of a run's document (header, tables, verdict, kill test)."""
     m, c = doc["machine"], doc["config"]
+    pacing = ""
+    if c["replicas_kind"] == "fake":
+        pacing = f"; fake pacing: TTFT {c['ttft_ms']:g} ms, ITL {c['itl_ms']:g} ms"
     lines = [
         f"Command: {doc['command']}",
         f"Date: {doc['date']}",
         f"Machine: {m['cpu']} ({m['num_cpus']} CPUs), {m['platform']}, Python {m['python']}",
-        f"Fleet: {c['replicas']} x {c['replicas_kind']} replicas (model {doc['model']}; fake "
-        f"pacing: TTFT {c['ttft_ms']:g} ms, ITL {c['itl_ms']:g} ms) behind `sits router`",
+        f"Fleet: {c['replicas']} x {c['replicas_kind']} replicas (model {doc['model']}{pacing}) "
+        "behind `sits router`",
         f"Load: {c['concurrency']} concurrent streams, {c['num_requests']} requests of "
         f"{c['output_len']} tokens per arm and round, {c['rounds']} rounds",
         "",
