@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -43,6 +43,7 @@ from sits.router.settings import RouterSettings
 from sits.server.auth import keys_match, presented_key
 from sits.server.errors import ServerError, error_response, install_error_handlers
 
+_KEEPALIVE_S = 4.0
 _CANARY_DONE = (CanaryState.PROMOTED, CanaryState.ROLLED_BACK)
 _FORWARDED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
@@ -64,7 +65,6 @@ def build_router_app(
     settings: RouterSettings,
     *,
     clock: Clock | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
     probe: bool = True,
 ) -> FastAPI:
     """The router app.
@@ -72,7 +72,6 @@ def build_router_app(
     Args:
         settings: the router's options.
         clock: time source of every policy (default `SystemClock`).
-        transport: httpx transport to the replicas (tests pass an in-process one); None = TCP.
         probe: run the background probe rounds (tests of the routing alone may turn them off).
     """
     clock = clock or SystemClock()
@@ -88,11 +87,13 @@ def build_router_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
+        # aiohttp's pool hands out a connection in O(1); httpx's walked every pooled connection
+        # per request, which capped the router near 800 relayed events/s at 200 streams.
+        # Idle connections close before uvicorn's 5 s keep-alive would close them under us.
+        connector = aiohttp.TCPConnector(
+            limit=settings.max_connections, keepalive_timeout=_KEEPALIVE_S
         )
-        async with httpx.AsyncClient(limits=limits, transport=transport) as client:
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as client:
             for url in settings.replicas:
                 registry.add_static(url)
             for url in settings.fallbacks:

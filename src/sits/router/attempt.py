@@ -18,7 +18,8 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+from multidict import CIMultiDictProxy
 
 RETRYABLE_503_CODES = frozenset({"draining", "engine_dead"})
 _CONNECT_TIMEOUT_S = 5.0
@@ -50,17 +51,26 @@ class Answer:
         status: HTTP status.
         headers: the replica's response headers.
         body: the whole body (not streamed), else None.
-        upstream: the open upstream response of a stream (close it), else None.
+        upstream: the open upstream response of a stream (`close_upstream` it), else None.
         first_chunk: a stream's first body bytes (already read), else b"".
-        chunks: the rest of a stream's raw body.
+        chunks: the rest of a stream's raw body, as it arrives.
     """
 
     status: int
-    headers: httpx.Headers
+    headers: CIMultiDictProxy[str]
     body: bytes | None = None
-    upstream: httpx.Response | None = None
+    upstream: aiohttp.ClientResponse | None = None
     first_chunk: bytes = b""
     chunks: AsyncIterator[bytes] | None = None
+
+
+def close_upstream(upstream: aiohttp.ClientResponse, whole: bool) -> None:
+    """End a stream's upstream response: back to the pool when it was read to its end, else
+    the connection is closed (the replica sees the client go and aborts the request)."""
+    if whole:
+        upstream.release()
+    else:
+        upstream.close()
 
 
 def error_code(body: bytes) -> str | None:
@@ -76,7 +86,7 @@ def error_code(body: bytes) -> str | None:
 
 
 async def send_attempt(
-    client: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     url: str,
     content: bytes,
     headers: Mapping[str, str],
@@ -86,46 +96,55 @@ async def send_attempt(
     """POST `content` to `url` and wait for the answer's first body byte.
 
     Args:
-        client: the pooled client.
+        session: the pooled client session.
         url: the replica's URL with the route's path.
         content: the request body as the client sent it (or as the router rewrote it).
         headers: headers for the replica.
         first_byte_timeout_s: seconds to wait for the first body byte (a non-streamed answer:
-            for the whole answer).
+            for the whole answer); also the longest silence between two reads of a stream.
 
     Returns:
         The answer, or the failure to retry elsewhere.
     """
-    timeout = httpx.Timeout(first_byte_timeout_s, connect=_CONNECT_TIMEOUT_S)
-    request = client.build_request("POST", url, content=content, headers=headers, timeout=timeout)
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=_CONNECT_TIMEOUT_S, sock_read=first_byte_timeout_s
+    )
     try:
-        upstream = await client.send(request, stream=True)
-    except httpx.TimeoutException as exc:
-        return Failure("timeout", f"no answer from {url} in time ({type(exc).__name__})")
-    except httpx.HTTPError as exc:
-        kind = "connect" if isinstance(exc, httpx.ConnectError) else "read"
-        return Failure(kind, f"{url}: {type(exc).__name__}: {exc}")
-    is_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        upstream = await session.post(url, data=content, headers=headers, timeout=timeout)
+    except TimeoutError:
+        return Failure("timeout", f"no answer from {url} in {first_byte_timeout_s:g} s")
+    except aiohttp.ClientConnectorError as exc:
+        return Failure("connect", f"{url}: {type(exc).__name__}: {exc}")
+    except aiohttp.ClientError as exc:
+        return Failure("read", f"{url}: {type(exc).__name__}: {exc}")
     try:
-        if not is_stream or upstream.status_code != 200:
-            body = await asyncio.wait_for(upstream.aread(), first_byte_timeout_s)
-            await upstream.aclose()
-            if upstream.status_code == 503:
+        if upstream.content_type != "text/event-stream" or upstream.status != 200:
+            body = await asyncio.wait_for(upstream.read(), first_byte_timeout_s)
+            upstream.release()
+            if upstream.status == 503:
                 code = error_code(body)
                 if code in RETRYABLE_503_CODES:
                     return Failure(code, f"{url} answered 503 {code}")
-            return Answer(upstream.status_code, upstream.headers, body=body)
-        chunks = upstream.aiter_raw()
-        first = b""
-        while not first:  # an empty chunk is no byte
-            first = await asyncio.wait_for(anext(chunks), first_byte_timeout_s)
-    except (TimeoutError, httpx.TimeoutException):
-        await upstream.aclose()
+            return Answer(upstream.status, upstream.headers, body=body)
+        first = await asyncio.wait_for(upstream.content.readany(), first_byte_timeout_s)
+        if not first:
+            upstream.close()
+            return Failure("read", f"{url} ended its stream before its first byte")
+    except TimeoutError:
+        upstream.close()
         return Failure("timeout", f"{url} sent no first byte in {first_byte_timeout_s:g} s")
-    except (httpx.HTTPError, StopAsyncIteration) as exc:
-        await upstream.aclose()
+    except aiohttp.ClientError as exc:
+        upstream.close()
         return Failure("read", f"{url} broke off before its first byte ({type(exc).__name__})")
     except BaseException:
-        await upstream.aclose()
+        upstream.close()
         raise
-    return Answer(200, upstream.headers, upstream=upstream, first_chunk=first, chunks=chunks)
+    return Answer(
+        200, upstream.headers, upstream=upstream, first_chunk=first, chunks=_chunks(upstream)
+    )
+
+
+async def _chunks(upstream: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The rest of a stream's body, each chunk as soon as it arrives."""
+    async for chunk in upstream.content.iter_any():
+        yield chunk

@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import httpx
+import aiohttp
 
 from sits.router.canary import CanaryController
 from sits.router.registry import Registry, Replica
@@ -30,7 +30,7 @@ class Prober:
     Args:
         registry: the replicas.
         canary: the canary controller.
-        client: the pooled HTTP client.
+        session: the pooled HTTP client session.
         interval_s: seconds between rounds.
         timeout_s: seconds one probe may take.
         router_key: bearer key for a static replica's `/v1/models` (None: none sent).
@@ -41,7 +41,7 @@ class Prober:
         self,
         registry: Registry,
         canary: CanaryController,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         *,
         interval_s: float,
         timeout_s: float,
@@ -50,7 +50,7 @@ class Prober:
     ) -> None:
         self.registry = registry
         self.canary = canary
-        self.client = client
+        self.session = session
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.router_key = router_key
@@ -88,11 +88,11 @@ class Prober:
             logger.warning("canary: %s", decision.reason)
 
     async def _probe(self, replica: Replica) -> None:
-        ok = False
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
-            ok = response.status_code == 200
-        except httpx.HTTPError:
+            async with self.session.get(replica.url + "/health", timeout=timeout) as response:
+                ok = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             ok = False
         was = replica.status
         self.registry.record_probe(replica.url, ok)
@@ -103,12 +103,14 @@ class Prober:
 
     async def _discover_models(self, replica: Replica) -> None:
         headers = {"authorization": f"Bearer {self.router_key}"} if self.router_key else {}
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            response = await self.client.get(
-                replica.url + "/v1/models", headers=headers, timeout=self.timeout_s
-            )
-            cards = response.json().get("data", []) if response.status_code == 200 else []
-        except (httpx.HTTPError, ValueError, AttributeError):
+            async with self.session.get(
+                replica.url + "/v1/models", headers=headers, timeout=timeout
+            ) as response:
+                body = await response.json() if response.status == 200 else {}
+            cards = body.get("data", [])
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             return
         models = tuple(
             c["id"] for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)

@@ -29,13 +29,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import Request
 from starlette.responses import Response
 
 from sits.admission import Clock
 from sits.core.fleet import CANARY_VERSION_LABEL, REPLICA_HEADER, TENANT_HEADER
-from sits.router.attempt import Answer, Failure, send_attempt
+from sits.router.attempt import Answer, Failure, close_upstream, send_attempt
 from sits.router.canary import CanaryController, CanaryState, pick_canary
 from sits.router.limits import FleetLimits, FleetTicket, prompt_text
 from sits.router.metrics import RouterMetrics
@@ -102,7 +102,7 @@ class Proxy:
         canary: the canary controller.
         metrics: the router's metrics.
         limits: tenants and their fleet-wide limits.
-        client: the pooled HTTP client.
+        session: the pooled HTTP client session.
         clock: time source (monotonic seconds).
     """
 
@@ -113,7 +113,7 @@ class Proxy:
         canary: CanaryController,
         metrics: RouterMetrics,
         limits: FleetLimits,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         clock: Clock,
     ) -> None:
         self.settings = settings
@@ -121,7 +121,7 @@ class Proxy:
         self.canary = canary
         self.metrics = metrics
         self.limits = limits
-        self.client = client
+        self.session = session
         self.clock = clock
         self._rng = random.Random(settings.seed)
 
@@ -254,7 +254,7 @@ class Proxy:
             replica.inflight += 1
             try:
                 outcome = await send_attempt(
-                    self.client,
+                    self.session,
                     replica.url + call.path,
                     call.content,
                     call.headers,
@@ -334,7 +334,7 @@ class Proxy:
         upstream = answer.upstream
 
         async def on_close() -> None:
-            await upstream.aclose()
+            close_upstream(upstream, whole=relay.saw_done)
             ttft_s = None if relay.first_frame_s is None else relay.first_frame_s - call.start_s
             self._end(call, replica, 200, relay.failed, ttft_s, relay.tpot_s(), relay.total_tokens)
 

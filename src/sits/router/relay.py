@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sits.admission import Clock
 from sits.router.attempt import error_code
@@ -75,12 +75,18 @@ class StreamRelay:
             return None
         return (self.last_frame_s - self.first_frame_s) / (self.num_frames - 1)
 
-    async def frames(self) -> AsyncIterator[str]:
-        """The client's frames; ends with an error event if the upstream breaks off."""
+    async def frames(self) -> AsyncIterator[bytes | str]:
+        """The client's frames; ends with an error event if the upstream breaks off.
+
+        Fast path: a chunk that holds only whole token frames (the usual case: the replica
+        flushes one event per write) passes on as it came, with no split or copy."""
         buffer = b""
         pending = self._first
         while True:
-            if pending:
+            if pending and not buffer and _plain(pending):
+                self._note_frames(pending.count(b"\n\n"))
+                yield pending
+            elif pending:
                 buffer += pending
                 while True:
                     end = buffer.find(b"\n\n")
@@ -94,7 +100,7 @@ class StreamRelay:
                 pending = await anext(self._chunks)
             except StopAsyncIteration:
                 break
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 self.failed = True
                 yield _cut_frame(f"{type(exc).__name__}")
                 yield DONE_EVENT
@@ -104,10 +110,10 @@ class StreamRelay:
             yield _cut_frame("the stream ended without [DONE]")
             yield DONE_EVENT
 
-    def _take(self, frame: bytes) -> str | None:
-        if frame.startswith(_DONE_FRAME[:-2]) and frame.strip() == _DONE_FRAME.strip():
+    def _take(self, frame: bytes) -> bytes | None:
+        if frame.strip() == _DONE_FRAME.strip():
             self.saw_done = True
-            return frame.decode()
+            return frame
         if frame.startswith(_ERROR_MARK) and _error_code(frame) != "draining":
             self.failed = True  # the replica failed the stream itself (its breaker counts it)
         if _USAGE_MARK in frame:
@@ -118,14 +124,28 @@ class StreamRelay:
                     self.total_tokens = total
                 if self._strip_usage:
                     return None
+        self._note_frames(1)
+        return frame
+
+    def _note_frames(self, num_frames: int) -> None:
         now_s = self._clock.monotonic()
         if self.first_frame_s is None:
             self.first_frame_s = now_s
             if self._on_first_frame is not None:
                 self._on_first_frame(now_s)
         self.last_frame_s = now_s
-        self.num_frames += 1
-        return frame.decode("utf-8", "replace")
+        self.num_frames += num_frames
+
+
+def _plain(chunk: bytes) -> bool:
+    """True for a chunk of whole token frames with nothing the relay must look at (no [DONE],
+    usage chunk or error event)."""
+    return (
+        chunk.endswith(b"\n\n")
+        and _USAGE_MARK not in chunk
+        and b"[DONE]" not in chunk
+        and b'{"error"' not in chunk
+    )
 
 
 def _usage_of(frame: bytes) -> dict[str, Any] | None:

@@ -78,13 +78,16 @@ class SSEResponse(Response):
     """A `text/event-stream` response fed by an async iterator of ready-made frames.
 
     Args:
-        events: yields complete frames (see `sse_event`); the response ends when it ends.
+        events: yields complete frames (see `sse_event`), as text or as UTF-8 bytes (the fleet
+            router relays a replica's bytes as they came); the response ends when it ends.
         on_close: awaited exactly once when the response ends, however it ends.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, events: AsyncIterator[str | bytes], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__(content=None, status_code=200, media_type=self.media_type)
         del self.headers["content-length"]  # streamed: chunked transfer, no fixed length
         self.headers["cache-control"] = "no-cache"
@@ -95,7 +98,8 @@ class SSEResponse(Response):
 
     async def _send_all(self, send: Send) -> None:
         async for frame in self._events:
-            await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+            body = frame if isinstance(frame, bytes) else frame.encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
