@@ -16,6 +16,7 @@ from typing import Any
 
 from sits.router.canary import CanaryConfig
 from sits.router.settings import DEFAULT_FALLBACK_P99_S, DEFAULT_LOAD_BOUND, DEFAULT_MAX_ATTEMPTS
+from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 
 ROUTER_KEY_ENV = "SITS_ROUTER_KEY"
 EXIT_BAD_CONFIG = 2
@@ -125,6 +126,14 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "%(default)g)",
     )  # fmt: skip
     p.add_argument(
+        "--http", default="auto", choices=HTTP_CHOICES,
+        help="uvicorn's HTTP protocol (default auto: httptools when installed, else h11)",
+    )  # fmt: skip
+    p.add_argument(
+        "--loop", default="auto", choices=LOOP_CHOICES,
+        help="the event loop (default auto: uvloop when installed, else asyncio's)",
+    )  # fmt: skip
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     p.set_defaults(func=run_router)
@@ -179,14 +188,19 @@ def router_settings(args: argparse.Namespace, environ: dict[str, str] | Any) -> 
 
 def run_router(args: argparse.Namespace) -> int:
     """Run `sits router` with parsed flags; returns the exit code (2: a bad flag or file)."""
+    import asyncio
+
     import uvicorn
 
     from sits.core.errors import SitsError
     from sits.router.app import build_router_app
+    from sits.server.http_impl import loop_factory, resolve_http
 
     logging.getLogger("sits").setLevel(args.log_level.upper())
     try:
         settings = router_settings(args, os.environ)
+        http = resolve_http(args.http)
+        factory = loop_factory(args.loop)
     except SitsError as exc:
         param = getattr(exc, "param", None)
         flag = f"--{param.replace('_', '-')}: " if param else ""
@@ -206,6 +220,11 @@ def run_router(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=30,
         access_log=False,
+        http=http,
     )
-    uvicorn.Server(config).run()
+    logging.getLogger(__name__).info(
+        "HTTP: %s on %s", http, "uvloop" if factory else "asyncio's event loop"
+    )
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(uvicorn.Server(config).serve())
     return 0
