@@ -174,7 +174,7 @@ def tenant_router(fleet: Fleet, tenants_file: Path) -> Iterator[str]:
     command = router_command(port_of(url), "--tenants", str(tenants_file), *replicas)
     proc = fleet.procs.launch("tenant-router", command, url)
     try:
-        wait_routed(proc, url, pair, models=False)
+        wait_routed(proc, url, pair)
         yield url
     finally:
         proc.kill()

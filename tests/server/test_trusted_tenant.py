@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 
 from sits.core.fleet import TENANT_HEADER
-from sits.server.auth import request_tenant, require_tenant
+from sits.server.auth import request_tenant, require_model_reader, require_tenant
 from sits.server.context import ServerSettings
 from sits.server.errors import install_error_handlers
 from sits.server.qos import QosSettings
@@ -87,6 +87,24 @@ def test_with_a_tenants_file(key, header, expected) -> None:
 def test_without_a_tenants_file(api_key, key, header, expected) -> None:
     client = _client(ServerSettings(api_key=api_key, router_key=ROUTER_KEY))
     assert _ask(client, key, header) == expected
+
+
+def test_the_router_key_alone_may_read_the_model_list() -> None:
+    """The router learns a static replica's models with its key alone, even with a tenants
+    file; generation routes still need the tenant named."""
+    client = _client(ServerSettings(tenants=TENANTS, router_key=ROUTER_KEY))
+
+    @client.app.get("/v1/models", dependencies=[Depends(require_model_reader)])
+    async def models() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    auth = {"Authorization": f"Bearer {ROUTER_KEY}"}
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert _ask(client, ROUTER_KEY, None) == (401, "missing_tenant_header")
+    assert client.get("/v1/models", headers={"Authorization": "Bearer x"}).status_code == 401
+    assert client.get("/v1/models").status_code == 401
+    tenant_auth = {"Authorization": f"Bearer {key_of('gold')}"}
+    assert client.get("/v1/models", headers=tenant_auth).status_code == 200
 
 
 def test_without_a_router_key_the_header_is_never_read() -> None:

@@ -30,7 +30,7 @@ from sits.server.faults import FaultInjectionMiddleware
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos_headers import QosHeadersMiddleware
 from sits.server.received import ReceivedAtMiddleware
-from sits.server.routes import api_router, ops_router
+from sits.server.routes import api_router, models_router, ops_router
 from sits.server.serving_common import count_invalid_body
 from sits.server.tracing import TracingMiddleware
 
@@ -112,6 +112,7 @@ def build_app(
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
     app.add_middleware(ReceivedAtMiddleware)  # outermost: stamps the receipt time first
     app.include_router(ops_router)
+    app.include_router(models_router)
     app.include_router(api_router)
     app.include_router(admin_router)
     app.include_router(dashboard_router)

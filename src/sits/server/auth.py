@@ -70,6 +70,24 @@ async def require_tenant(request: Request) -> None:
     setattr(request.state, TENANT_STATE_KEY, tenant)
 
 
+async def require_model_reader(request: Request) -> None:
+    """FastAPI dependency of the model list: the router's key alone may read it (the fleet router
+    learns a static replica's models so, and the list holds no tenant's data); any other request
+    authenticates as `require_tenant` says.
+
+    Raises:
+        ServerError: 401 as `require_tenant`.
+    """
+    router_key = request.app.state.ctx.settings.router_key
+    if (
+        router_key
+        and not request.headers.get(TENANT_HEADER)
+        and keys_match(router_key, presented_key(request))
+    ):
+        return
+    await require_tenant(request)
+
+
 def request_tenant(request: Request) -> TenantConfig:
     """The tenant `require_tenant` stored for this request."""
     tenant = getattr(request.state, TENANT_STATE_KEY, None)

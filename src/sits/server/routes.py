@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from sits.server.auth import require_tenant
+from sits.server.auth import require_model_reader, require_tenant
 from sits.server.context import ServerContext
 from sits.server.errors import error_response, unavailable, unsupported
 from sits.server.lifecycle import draining_error
@@ -36,6 +36,7 @@ from sits.server.serving_completion import create_completion
 
 ops_router = APIRouter()
 api_router = APIRouter(dependencies=[Depends(require_tenant)])
+models_router = APIRouter(dependencies=[Depends(require_model_reader)])
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -80,13 +81,13 @@ def _model_card(ctx: ServerContext) -> ModelCard:
     )
 
 
-@api_router.get("/v1/models")
+@models_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     """The one served model (with `random_weights` saying whether its weights are random)."""
     return ModelList(data=[_model_card(_ctx(request))])
 
 
-@api_router.get("/v1/models/{model_id:path}")
+@models_router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     """The served model's card, or 404."""
     ctx = _ctx(request)
