@@ -3,10 +3,10 @@
 `FakeReplica` answers /health, /v1/models, /v1/completions and /v1/chat/completions like
 `sits serve` does in shape (a stream: a role chunk, one chunk per token, a usage chunk when
 asked, [DONE]) and misbehaves on demand through `behaviour` ("ok", "draining", "engine_dead",
-"status_500", "hang", "cut:N" = stream N token chunks then drop the connection, "sleep:S" =
-wait S seconds before answering). It records every request it got. `serve(app)` runs an ASGI
-app under uvicorn on 127.0.0.1 on a free port in a thread, and returns once it accepts
-connections.
+"status_500", "overloaded" = a 503 shedding, "hang", "cut:N" = stream N token chunks then
+drop the connection, "sleep:S" = wait S seconds before answering). It records every request
+it got. `serve(app)` runs an ASGI app under uvicorn on 127.0.0.1 on a free port in a thread,
+and returns once it accepts connections.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class FakeReplica:
             return _error(503, behaviour)
         elif behaviour == "status_500":
             return _error(500, "internal")
+        elif behaviour == "overloaded":
+            return _error(503, "overloaded")
         elif behaviour == "hang":
             await asyncio.sleep(3600)
         cut = int(behaviour.split(":")[1]) if behaviour.startswith("cut:") else None

@@ -123,6 +123,18 @@ def test_a_500_is_the_replicas_answer_and_counts_against_it() -> None:
     assert failures == (1, 1)
 
 
+def test_a_replica_shedding_under_overload_is_not_failing() -> None:
+    shedding = FakeReplica(behaviour="overloaded")
+    with serve(shedding.app()) as url:
+        app = _router([url])
+        with serve(app) as router_url, httpx.Client(base_url=router_url) as client:
+            response = client.post("/v1/completions", json=BODY)
+            counts = app.state.router.registry.get(url).breaker.window_counts()
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "overloaded"  # the replica's answer, relayed
+    assert counts == (1, 0)
+
+
 def test_no_replica_left_is_a_503_with_retry_after() -> None:
     app = _router([closed_port_url(), closed_port_url()])
     with serve(app) as router_url, httpx.Client(base_url=router_url) as client:

@@ -35,7 +35,7 @@ from starlette.responses import Response
 
 from sits.admission import Clock
 from sits.core.fleet import CANARY_VERSION_LABEL, REPLICA_HEADER, TENANT_HEADER
-from sits.router.attempt import Answer, Failure, close_upstream, send_attempt
+from sits.router.attempt import Answer, Failure, close_upstream, error_code, send_attempt
 from sits.router.canary import CanaryController, CanaryState, pick_canary
 from sits.router.limits import FleetLimits, FleetTicket, prompt_text
 from sits.router.metrics import RouterMetrics
@@ -314,7 +314,8 @@ class Proxy:
             headers.update(self.limits.ratelimit_headers(call.ticket.tenant))
         if answer.upstream is None:
             assert answer.body is not None
-            failed = answer.status >= 500
+            # A replica shedding work under overload (its QoS) is not failing.
+            failed = answer.status >= 500 and error_code(answer.body) != "overloaded"
             self._end(call, replica, answer.status, failed, None, None, _usage_total(answer.body))
             return Response(answer.body, status_code=answer.status, headers=headers)
         assert answer.chunks is not None
