@@ -7,6 +7,9 @@ Invariants:
 - Expert weights use the fused layouts of `layers.moe`: w13 [E, 2I, H] (rows 0:I = gate,
   I:2I = up) and w2 [E, H, I]; an expert computes w2 @ (SiLU(w1 @ x) * (w3 @ x)).
 - `moe_forward` accumulates the weighted expert outputs in float32 and returns hidden's dtype.
+- `moe_forward_fp8` (FP8 experts, `layers.quant.fp8_moe`) dequantizes only the experts the
+  step routes to (`kernels.fp8_ref.dequantize_fp8`, into hidden's dtype) and runs
+  `moe_forward` on them: the same result as `moe_forward` on the dequantized weights.
 
 Algorithm: sparsely-gated top-k Mixture-of-Experts (Shazeer et al. 2017); the Mixtral router
 (Jiang et al. 2024, "Mixtral of Experts") is softmax -> top-k -> renormalise, which equals a
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sits.kernels.fp8_ref import dequantize_fp8
 
 
 def select_experts(
@@ -109,8 +114,51 @@ def moe_forward(
     return output.to(hidden.dtype)
 
 
+def moe_forward_fp8(
+    hidden: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    block: tuple[int, int] | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    nonfinite_experts: Tensor | None = None,
+) -> Tensor:
+    """`moe_forward` over FP8 experts, dequantizing only the experts that got tokens.
+
+    Args:
+        hidden: [num_tokens, hidden_size].
+        w13: [num_experts, 2 * intermediate_size, hidden_size] float8_e4m3fn.
+        w13_scale: float32, [num_experts, ceil(2I / bn), ceil(H / bk)] when `block`, else
+            [num_experts, 2I] (per row).
+        w2: [num_experts, hidden_size, intermediate_size] float8_e4m3fn.
+        w2_scale: float32, [num_experts, ceil(H / bn), ceil(I / bk)] or [num_experts, H].
+        block: (bn, bk) of block scales, None for per-row scales.
+        topk_weights, topk_ids, nonfinite_experts: as `moe_forward` (ids -1 = no expert).
+
+    Returns:
+        [num_tokens, hidden_size], hidden's dtype.
+    """
+    num_experts = w13.shape[0]
+    used = torch.unique(topk_ids[topk_ids >= 0])  # [U] sorted expert ids
+    w13_used = dequantize_fp8(w13[used], w13_scale[used], block, hidden.dtype)  # [U, 2I, H]
+    w2_used = dequantize_fp8(w2[used], w2_scale[used], block, hidden.dtype)  # [U, H, I]
+    local = torch.full((num_experts,), -1, dtype=torch.int64, device=topk_ids.device)
+    local[used] = torch.arange(used.numel(), device=topk_ids.device)
+    local_ids = torch.where(topk_ids >= 0, local[topk_ids.clamp(min=0)], -1)  # [T, k]
+    flags = None
+    if nonfinite_experts is not None:
+        flags = torch.zeros(used.numel(), dtype=torch.bool, device=hidden.device)
+    out = moe_forward(hidden, w13_used, w2_used, topk_weights, local_ids, flags)
+    if nonfinite_experts is not None:
+        nonfinite_experts[used] |= flags
+    return out
+
+
 class TorchMoe:
-    """The CPU/reference MoE backend: `select_experts` and `moe_forward` as methods."""
+    """The CPU/reference MoE backend: `select_experts`, `moe_forward` and `moe_forward_fp8`
+    as methods."""
 
     def select_experts(
         self, router_logits: Tensor, top_k: int, renormalize: bool
@@ -129,3 +177,20 @@ class TorchMoe:
     ) -> Tensor:
         """See `moe_forward`: [T, H] in hidden's dtype."""
         return moe_forward(hidden, w13, w2, topk_weights, topk_ids, nonfinite_experts)
+
+    def experts_fp8(
+        self,
+        hidden: Tensor,
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+        block: tuple[int, int] | None,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
+    ) -> Tensor:
+        """See `moe_forward_fp8`: [T, H] in hidden's dtype."""
+        return moe_forward_fp8(
+            hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids, nonfinite_experts
+        )
