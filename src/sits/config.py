@@ -14,6 +14,26 @@ from sits.core.errors import InvalidParameterError
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's `--quantization` names we know of; only IMPLEMENTED_QUANTIZATION load today.
+QUANTIZATION_METHODS = (
+    "fp8",
+    "compressed-tensors",
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "int4",
+    "bitsandbytes",
+    "gguf",
+    "fbgemm_fp8",
+    "modelopt",
+    "marlin",
+    "experts_int8",
+    "moe_wna16",
+    "torchao",
+    "mxfp4",
+)
+IMPLEMENTED_QUANTIZATION = ("fp8", "compressed-tensors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +85,11 @@ class EngineConfig:
             larger step (`sched.pacing.TpotPacer.min_prefill_tokens`). 0 (the default): off.
             Pays where a step's cost is concave in its tokens (a few large steps cost less
             than many middle-sized ones); `bench/qos_sim.py` compares both on a cost curve.
+        quantization: weight quantization, vLLM's names: None (the default: what the
+            checkpoint's `quantization_config` says, or unquantized), "fp8" (an FP8
+            checkpoint, or online FP8 of an unquantized one: per-channel weight scales made
+            at load) or "compressed-tensors" (its FP8 float-quantized checkpoints). Other
+            names (awq, gptq, int4, ...) are refused (`sits.layers.quant.config`).
         num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically
@@ -92,6 +117,7 @@ class EngineConfig:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     num_spare_experts: int = 0
+    quantization: str | None = None
     tpot_pacing_fraction: float = 0.9
     tpot_pacing_min_prefill_tokens: int = 0
 
@@ -121,6 +147,8 @@ class EngineConfig:
             raise InvalidParameterError(
                 "num_spare_experts", f"num_spare_experts must be >= 0, got {self.num_spare_experts}"
             )
+        if self.quantization is not None:
+            _check_quantization(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
         if not 0 <= self.tpot_pacing_min_prefill_tokens <= self.max_num_batched_tokens:
@@ -148,6 +176,23 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def _check_quantization(name: str) -> None:
+    """Refuse an unknown or unimplemented `quantization` name (what was found, what works).
+
+    Raises:
+        InvalidParameterError: the name is not one of IMPLEMENTED_QUANTIZATION.
+    """
+    if name in IMPLEMENTED_QUANTIZATION:
+        return
+    supported = f"supported: {', '.join(IMPLEMENTED_QUANTIZATION)}"
+    if name in QUANTIZATION_METHODS:
+        message = f"quantization {name!r} is not supported yet; {supported}"
+    else:
+        known = ", ".join(QUANTIZATION_METHODS)
+        message = f"unknown quantization {name!r} (vLLM names: {known}); {supported}"
+    raise InvalidParameterError("quantization", message)
 
 
 def sits_cache_dir() -> str:

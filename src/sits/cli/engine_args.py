@@ -109,6 +109,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "reloaded from the checkpoint into one and unfrozen automatically (0: none)",
     )
     parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight quantization (vLLM names): default, what the checkpoint's "
+        "quantization_config says; fp8 (FP8 checkpoints, or online FP8 of a bf16/fp32 one) or "
+        "compressed-tensors (FP8 float-quantized); awq, gptq and int4 are not supported yet",
+    )
+    parser.add_argument(
         "--tpot-pacing-fraction",
         type=float,
         default=0.9,
@@ -147,6 +155,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_offload_gb": args.cpu_offload_gb,
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,
+        "quantization": args.quantization,
         "tpot_pacing_fraction": args.tpot_pacing_fraction,
         "tpot_pacing_min_prefill_tokens": args.tpot_pacing_min_prefill_tokens,
     }

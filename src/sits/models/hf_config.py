@@ -2,8 +2,10 @@
 
 Invariants:
 - Every option that would change results and that we do not implement raises
-  UnsupportedModelError naming the option (activation, quantization, sliding window, rope kind),
-  so a checkpoint either runs exactly or fails at load time.
+  UnsupportedModelError naming the option (activation, sliding window, rope kind), so a
+  checkpoint either runs exactly or fails at load time. `quantization_config` is read by
+  `layers.quant.config.quant_config_of` (from `loader.build_meta_model`), which refuses the
+  schemes we lack.
 - Both rope spellings are read: transformers 5 `rope_parameters` {rope_type, rope_theta, ...}
   and older `rope_theta` + `rope_scaling` {type|rope_type, factor, ...}.
 """
@@ -95,14 +97,13 @@ def sliding_windows_of(hf_config: Any) -> list[int | None]:
 def check_supported(hf_config: Any) -> None:
     """Raise UnsupportedModelError for options that would change results and we lack.
 
-    Checks: hidden_act must be SiLU; no quantization_config; no sliding window shorter than
-    max_position_embeddings (a window that long never masks anything within the context).
+    Checks: hidden_act must be SiLU; no sliding window shorter than max_position_embeddings
+    (a window that long never masks anything within the context). The quantization_config
+    is checked by `quant_config_of` when the model is built.
     """
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
-    if getattr(hf_config, "quantization_config", None):
-        raise UnsupportedModelError("quantized checkpoints (quantization_config) are not supported")
     max_positions = hf_config.max_position_embeddings
     for layer_idx, window in enumerate(sliding_windows_of(hf_config)):
         if window is not None and window < max_positions:

@@ -15,6 +15,14 @@ experts fill the logical slots 0 .. E-1 of w13 / w2 (the routing table starts as
 identity); the N spare slots are not in the checkpoint, are zeroed and do not count as
 missing.
 
+Quantized checkpoints (`layers.quant`): the scheme comes from config.json's
+`quantization_config` (or `quantization="fp8"` for online quantization); the quantizable
+modules are swapped for FP8 ones on the meta device, and each checkpoint tensor of theirs
+(`weight`, `weight_scale_inv` / `weight_scale`, `input_scale`, per part and per expert) goes
+where the module's `checkpoint_target` says, checked for dtype and shape. Online quantization
+turns each model-dtype weight of a quantized module into FP8 values plus per-row scales as it
+streams by (`_online_fp8_pairs`), so no model-dtype copy of those weights is ever made.
+
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
 model is built on the meta device and materialised on the target device in the target dtype, so
@@ -31,7 +39,7 @@ import glob
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +50,10 @@ from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.linear import FusedLinear
 from sits.layers.moe import MoeBackend, SparseMoeBlock
+from sits.layers.quant.apply import is_quantized, keep_quant_dtypes, quantize_modules
+from sits.layers.quant.config import QuantConfig, quant_config_of
+from sits.layers.quant.fp8_linear import Fp8Weights
+from sits.layers.quant.fp8_moe import Fp8SparseMoeBlock
 from sits.models.dummy import fill_dummy_, init_dummy_weights, read_dummy_seed
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
@@ -49,20 +61,23 @@ from sits.models.registry import get_model_class
 HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 _MAX_NAMES_IN_ERROR = 8
 
-_QKV = re.compile(r"^(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$")
-_GATE_UP = re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.(weight|bias)$")
-_EXPERT_W13 = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3)\.weight$")
-_EXPERT_W2 = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(down_proj|w2)\.weight$")
+_KIND = r"(weight|bias|weight_scale_inv|weight_scale|input_scale)"
+_QKV = re.compile(rf"^(.*\.self_attn)\.([qkv])_proj\.{_KIND}$")
+_GATE_UP = re.compile(rf"^(.*\.mlp)\.(gate|up)_proj\.{_KIND}$")
+_EXPERT_W13 = re.compile(rf"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3)\.{_KIND}$")
+_EXPERT_W2 = re.compile(rf"^(.*\.mlp)\.experts\.(\d+)\.(down_proj|w2)\.{_KIND}$")
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
 _SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """Where one checkpoint tensor goes: param[index] (index () = the whole parameter)."""
+    """Where one checkpoint tensor goes: param[index] (index () = the whole parameter), after
+    `convert(tensor, name)` when set (quantized modules: dtype checks, scale reshapes)."""
 
     param_name: str
     index: tuple[int | slice, ...]
+    convert: Callable[[Tensor, str], Tensor] | None = None
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -95,18 +110,47 @@ def resolve_model_path(name_or_path: str) -> str:
         ) from err
 
 
-def build_meta_model(model_dir: str, moe_backend: MoeBackend | None = None) -> DecoderForCausalLM:
-    """The model of a checkpoint directory's config.json on the meta device (no memory).
+def build_meta_model(
+    model_dir: str, moe_backend: MoeBackend | None = None, quantization: str | None = None
+) -> DecoderForCausalLM:
+    """The model of a checkpoint directory's config.json on the meta device (no memory), with
+    quantized modules where its `quantization_config` (or `quantization`) asks.
+
+    Args:
+        model_dir: the checkpoint directory.
+        moe_backend: MoE compute backend for sparse layers (default: PyTorch reference).
+        quantization: `EngineConfig.quantization` (None: what the checkpoint says; "fp8" on
+            an unquantized checkpoint: online FP8).
 
     Raises:
         ModelNotFoundError: no config.json.
-        UnsupportedModelError: unsupported architecture or option.
+        UnsupportedModelError: unsupported architecture, option or quantization scheme.
     """
     hf_config = load_hf_config(model_dir)
+    quant = quant_config_of(_quantization_config(hf_config), quantization)
     model_class = get_model_class(hf_config)
     config = model_class.config_from_hf(hf_config)
     with torch.device("meta"):
-        return model_class(config, moe_backend)
+        model = model_class(config, moe_backend)
+        if quant is not None:
+            quantize_modules(model, quant)
+    return model
+
+
+def _quantization_config(hf_config: object) -> dict | None:
+    """The config's `quantization_config` as a dict (transformers may hold an object)."""
+    value = getattr(hf_config, "quantization_config", None)
+    if value is None or isinstance(value, dict):
+        return value
+    return value.to_dict() if hasattr(value, "to_dict") else dict(vars(value))
+
+
+def model_quant_config(model: nn.Module) -> QuantConfig | None:
+    """The scheme of a model's quantized modules (None: unquantized)."""
+    for module in model.modules():
+        if isinstance(module, Fp8Weights | Fp8SparseMoeBlock):
+            return module.quant
+    return None
 
 
 def load_model(
@@ -118,6 +162,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     num_spare_experts: int = 0,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
     """Build the model of a checkpoint directory and load (or make) its weights.
 
@@ -133,22 +178,27 @@ def load_model(
         seed: the dummy weights' seed (load_format "dummy" only).
         num_spare_experts: spare expert slots added to every sparse MoE layer (zeroed; the
             logical experts' weights are those of a load without spares).
+        quantization: `EngineConfig.quantization` (see `build_meta_model`).
 
     Returns:
         The model in eval mode, parameters without gradients.
 
     Raises:
         ModelNotFoundError: no config.json or no safetensors files.
-        UnsupportedModelError: unsupported architecture or option, or weights that do not
-            match the model (missing, unexpected, duplicated, wrong shape).
+        UnsupportedModelError: unsupported architecture, option or quantization, or weights
+            that do not match the model (missing, unexpected, duplicated, wrong shape or dtype).
     """
-    model = build_meta_model(model_dir, moe_backend)
+    model = build_meta_model(model_dir, moe_backend, quantization)
     spare_blocks = _add_spare_slots(model, num_spare_experts)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    model = model.to(dtype)
+    keep_quant_dtypes(model)
+    model = model.to_empty(device=torch.device(device))
     model.tie_weights()
     dummy_seed = seed if load_format == "dummy" else None
     if load_format == "auto":
         dummy_seed = read_dummy_seed(model_dir)
+    if dummy_seed is not None and is_quantized(model):
+        raise UnsupportedModelError("dummy weights are not supported for quantized models yet")
     if dummy_seed is not None:
         init_dummy_weights(model, dummy_seed)
         for name, block in spare_blocks.items():  # the values of a load without spares
@@ -205,7 +255,11 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     Raises:
         UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
     """
-    load_weights_from(model, _safetensors_pairs(files))
+    pairs = _safetensors_pairs(files)
+    quant = model_quant_config(model)
+    if quant is not None and quant.online:
+        pairs = _online_fp8_pairs(model, pairs)
+    load_weights_from(model, pairs)
 
 
 def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
@@ -214,6 +268,25 @@ def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 yield name, f.get_tensor(name)
+
+
+def _online_fp8_pairs(
+    model: DecoderForCausalLM, pairs: Iterable[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """Online FP8: each model-dtype weight bound for an FP8 parameter becomes (name, FP8
+    values) and (name + "_scale", per-row scales), the pairs of a per-channel checkpoint."""
+    from sits.kernels.fp8_ref import FP8_DTYPE, quantize_fp8_per_row
+
+    params = dict(model.named_parameters())
+    for name, tensor in pairs:
+        target = None if _is_skipped(model, name) else _target_of(model, name, params)
+        quantized = target is not None and params[target.param_name].dtype == FP8_DTYPE
+        if not quantized or tensor.dtype == FP8_DTYPE or not name.endswith(".weight"):
+            yield name, tensor
+            continue
+        values, scale = quantize_fp8_per_row(tensor)  # [N, K] fp8, [N] float32
+        yield name, values
+        yield f"{name}_scale", scale
 
 
 def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -250,9 +323,12 @@ def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Te
         )
     missing = [n for n in params if loaded_numel[n] < expected_numel[n]]
     if missing or unexpected:
+        quant = model_quant_config(model)
+        scheme = f" (quantized {quant.describe()})" if quant is not None else ""
         raise UnsupportedModelError(
-            f"checkpoint weights do not match {type(model).__name__}: "
-            f"missing {_names(missing)}; unexpected {_names(unexpected)}"
+            f"checkpoint weights do not match {type(model).__name__}{scheme}: "
+            f"missing {_names([_checkpoint_names(model, n) for n in missing])}; "
+            f"unexpected {_names(unexpected)}"
         )
 
 
@@ -265,6 +341,26 @@ def _checkpoint_numel(model: nn.Module, params: dict[str, Tensor]) -> dict[str, 
             for name in (f"{prefix}.w13", f"{prefix}.w2"):
                 numel[name] = params[name][: module.config.num_experts].numel()
     return numel
+
+
+def _checkpoint_names(model: nn.Module, param_name: str) -> str:
+    """A missing parameter as the checkpoint would name it, for quantized modules' scales:
+    e.g. "model.layers.0.self_attn.{q,k,v}_proj.weight_scale_inv (our ...qkv_proj.weight_scale)".
+    """
+    prefix, _, local = param_name.rpartition(".")
+    module = _submodule(model, prefix)
+    quant = getattr(module, "quant", None)
+    if quant is None or local not in ("weight_scale", "input_scale", "w13_scale", "w2_scale"):
+        return param_name
+    kind = quant.scale_name if local != "input_scale" else "input_scale"
+    if isinstance(module, Fp8SparseMoeBlock):
+        parts = "{gate,up}_proj" if local == "w13_scale" else "down_proj"
+        hf = f"{prefix}.experts.<e>.{parts}.{quant.scale_name}"
+    else:
+        owner, _, leaf = prefix.rpartition(".")
+        parts = {"qkv_proj": "{q,k,v}_proj", "gate_up_proj": "{gate,up}_proj"}.get(leaf, leaf)
+        hf = f"{owner}.{parts}.{kind}"
+    return f"{hf} (our {param_name})"
 
 
 def _names(names: list[str]) -> str:
@@ -308,18 +404,18 @@ def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Targe
         prefix, part, kind = match.groups()
         target = _fused_part(model, f"{prefix}.gate_up_proj", ("gate", "up").index(part), kind)
     elif match := _EXPERT_W13.match(name):
-        prefix, expert, part = match.groups()
+        prefix, expert, part, kind = match.groups()
         target = _expert_part(
-            model, prefix, int(expert), "up" if part in ("up_proj", "w3") else "gate"
+            model, prefix, int(expert), "up" if part in ("up_proj", "w3") else "gate", kind
         )
     elif match := _EXPERT_W2.match(name):
-        prefix, expert, _ = match.groups()
-        target = _expert_part(model, prefix, int(expert), "down")
+        prefix, expert, _, kind = match.groups()
+        target = _expert_part(model, prefix, int(expert), "down", kind)
     elif match := _FUSED_EXPERTS.match(name):
         prefix, which, _ = match.groups()
         target = _fused_experts(model, prefix, "w13" if which == "gate_up_proj" else "w2")
     else:
-        target = _Target(name, ())
+        target = _plain_target(model, name)
     if target is None or target.param_name not in params:
         return None
     return target
@@ -327,24 +423,58 @@ def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Targe
 
 def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> _Target | None:
     module = _submodule(model, module_name)
-    if not isinstance(module, FusedLinear):
+    if isinstance(module, Fp8Weights):
+        return _quant_target(module_name, module.checkpoint_target(kind, part))
+    if not isinstance(module, FusedLinear) or kind not in ("weight", "bias"):
         return None
     return _Target(f"{module_name}.{kind}", (module.part_rows(part),))
+
+
+def _quant_target(module_name: str, found: tuple | None) -> _Target | None:
+    """A quantized module's (local name, index, convert) as a _Target."""
+    if found is None:
+        return None
+    local, index, convert = found
+    return _Target(f"{module_name}.{local}", index, convert)
+
+
+def _plain_target(model: nn.Module, name: str) -> _Target:
+    """A name outside the fused patterns: a quantized single-part projection's tensor
+    (o_proj, down_proj), else our parameter of the identical name."""
+    prefix, _, kind = name.rpartition(".")
+    if kind in ("weight", "bias", "weight_scale_inv", "weight_scale", "input_scale"):
+        module = _submodule(model, prefix)
+        if isinstance(module, Fp8Weights):
+            target = _quant_target(prefix, module.checkpoint_target(kind, 0))
+            return target if target is not None else _Target(name, ())
+    return _Target(name, ())
 
 
 def _fused_experts(model: nn.Module, prefix: str, param: str) -> _Target:
     """All experts of w13 or w2 at once: the whole parameter, or its logical slots 0 .. E-1
     when the block has spare slots."""
     module = _submodule(model, prefix)
+    if isinstance(module, Fp8SparseMoeBlock):
+        raise UnsupportedModelError(
+            f"fused expert tensors ({prefix}.experts.gate_up_proj / down_proj) are not "
+            "supported with FP8 experts; per-expert tensors (experts.<e>.gate_proj ...) are"
+        )
     if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
         return _Target(f"{prefix}.{param}", (slice(0, module.config.num_experts),))
     return _Target(f"{prefix}.{param}", ())
 
 
-def _expert_part(model: nn.Module, prefix: str, expert: int, part: str) -> _Target | None:
-    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down")."""
+def _expert_part(
+    model: nn.Module, prefix: str, expert: int, part: str, kind: str = "weight"
+) -> _Target | None:
+    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down"); for FP8
+    experts also their scales (`Fp8SparseMoeBlock.checkpoint_target`)."""
     module = _submodule(model, prefix)
+    if isinstance(module, Fp8SparseMoeBlock):
+        return _quant_target(prefix, module.checkpoint_target(expert, part, kind))
     if not isinstance(module, SparseMoeBlock) or expert >= module.config.num_experts:
+        return None
+    if kind != "weight":
         return None
     if part == "down":
         return _Target(f"{prefix}.w2", (expert,))
@@ -363,6 +493,8 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
 def _copy(param: Tensor, target: _Target, tensor: Tensor, name: str) -> int:
     """Copy (casting dtype/device) into param[target.index]; returns the elements written."""
     destination = param.data[target.index] if target.index else param.data
+    if target.convert is not None:
+        tensor = target.convert(tensor, name)
     if tuple(destination.shape) != tuple(tensor.shape):
         raise UnsupportedModelError(
             f"checkpoint weight {name} has shape {tuple(tensor.shape)}, expected "

@@ -127,6 +127,7 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
             num_spare_experts=config.num_spare_experts,
+            quantization=config.quantization,
         )
         self.model.eval()
         arch = self.model.arch

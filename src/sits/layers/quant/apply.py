@@ -1,0 +1,111 @@
+"""Turning a model-dtype decoder into its quantized twin by module swaps, before weights load.
+
+Invariants:
+- Quantized: every attention qkv_proj / o_proj, dense MLP gate_up_proj / down_proj and sparse
+  MoE experts, unless the scheme's ignore list names the checkpoint module (all fused parts
+  ignored: the module stays in the model dtype; some only: refused). The router gate, norms,
+  embeddings and lm_head are never swapped.
+- Swaps happen on the meta device (no memory); `keep_quant_dtypes` re-creates the quantized
+  parameters in their storage dtypes after the model is cast to the model dtype, since
+  `Module.to(dtype)` casts float8 and float32 parameters too.
+- Unquantized models are untouched: no module of theirs changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sits.core.errors import UnsupportedModelError
+from sits.layers.attention import Attention
+from sits.layers.mlp import GatedMLP
+from sits.layers.moe import SparseMoeBlock
+from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.fp8_linear import Fp8FusedLinear, Fp8GateUpLinear, Fp8QKVLinear
+from sits.layers.quant.fp8_moe import Fp8SparseMoeBlock
+
+
+def _all_or_none(quant: QuantConfig, names: list[str]) -> bool:
+    """True when every checkpoint module in `names` is ignored, False when none is.
+
+    Raises:
+        UnsupportedModelError: some fused parts are ignored and others not.
+    """
+    ignored = [quant.is_ignored(name) for name in names]
+    if any(ignored) and not all(ignored):
+        raise UnsupportedModelError(
+            f"the quantization ignore list keeps only some of the fused modules {names} "
+            "unquantized; sits fuses them into one weight"
+        )
+    return all(ignored)
+
+
+def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
+    """Swap the quantizable modules of `model` (on the meta device) for FP8 ones.
+
+    Args:
+        model: a `DecoderForCausalLM` built on the meta device.
+        quant: the scheme.
+
+    Returns:
+        The number of modules swapped.
+
+    Raises:
+        UnsupportedModelError: an ignore list splitting fused parts, or shapes the scheme
+            cannot hold (block scales cutting a fused part).
+    """
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            parts = [f"{name}.{p}_proj" for p in "qkv"]
+            if not _all_or_none(quant, parts):
+                swaps.append((module, "qkv_proj", Fp8QKVLinear(module.qkv_proj, quant)))
+            if not quant.is_ignored(f"{name}.o_proj"):
+                swaps.append((module, "o_proj", Fp8FusedLinear.from_linear(module.o_proj, quant)))
+        elif isinstance(module, GatedMLP):
+            parts = [f"{name}.gate_proj", f"{name}.up_proj"]
+            if not _all_or_none(quant, parts):
+                gate_up = Fp8GateUpLinear(module.gate_up_proj, quant)
+                swaps.append((module, "gate_up_proj", gate_up))
+            if not quant.is_ignored(f"{name}.down_proj"):
+                down = Fp8FusedLinear.from_linear(module.down_proj, quant)
+                swaps.append((module, "down_proj", down))
+        elif isinstance(module, SparseMoeBlock) and not _experts_ignored(quant, name):
+            parent_name, _, attr = name.rpartition(".")
+            block = Fp8SparseMoeBlock(
+                module.gate.in_features, module.config, quant, module.moe_backend
+            )
+            swaps.append((model.get_submodule(parent_name), attr, block))
+    for parent, attr, new in swaps:
+        setattr(parent, attr, new)
+    return len(swaps)
+
+
+def _experts_ignored(quant: QuantConfig, block_name: str) -> bool:
+    """The experts of MoE block `block_name` (ours: `...mlp`) are kept unquantized."""
+    mixtral = block_name.replace(".mlp", ".block_sparse_moe")
+    names = [f"{block_name}.experts", f"{mixtral}.experts"]
+    return any(quant.is_ignored(name) for name in names)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """True when any module of `model` holds quantized weights."""
+    return any(hasattr(module, "quant_dtypes") for module in model.modules())
+
+
+def keep_quant_dtypes(model: nn.Module) -> None:
+    """Re-create (on the meta device) the quantized parameters that a cast to the model dtype
+    changed, in their storage dtypes (float8_e4m3fn weights, float32 scales)."""
+    for module in model.modules():
+        if not hasattr(module, "quant_dtypes"):
+            continue
+        for name, dtype in module.quant_dtypes().items():
+            param = getattr(module, name)
+            if param is None or param.dtype == dtype:
+                continue
+            assert param.device.type == "meta", "keep_quant_dtypes runs before materialising"
+            setattr(
+                module,
+                name,
+                nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), False),
+            )

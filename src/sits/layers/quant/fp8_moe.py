@@ -1,0 +1,154 @@
+"""Sparse MoE block with FP8 experts: w13 / w2 in float8_e4m3fn with float32 scales.
+
+Invariants:
+- Routing, the router gate (model dtype), counts, health and the fused-kernel routing path are
+  those of `layers.moe.SparseMoeBlock`; only the experts' storage and compute differ.
+- Storage: w13 [E, 2I, H] and w2 [E, H, I] float8_e4m3fn; w13_scale / w2_scale float32, block
+  [E, ceil(2I / bn), ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)] (I a multiple of bn, so
+  gate and up own whole blocks), or per row [E, 2I] / [E, H]; with static activation scales
+  also w13_input_scale [E, 2] (gate, up) and w2_input_scale [E] (kept for the kernels).
+- The experts run through a backend's `experts_fp8` (the seam of the fused FP8 MoE kernel);
+  a backend without it (today: the bf16 Triton MoE) is replaced by the PyTorch reference
+  (`kernels.moe_ref.TorchMoe`), which dequantizes only the experts a step routes to and is
+  not CUDA-graph safe (so decode steps of such a model run eagerly).
+- Spare expert slots and reloading an expert are not supported with FP8 experts yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.kernels.fp8_ref import FP8_DTYPE
+from sits.kernels.moe_ref import TorchMoe
+from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
+from sits.layers.moe_stats import ExpertState
+from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.fp8_linear import (
+    Convert,
+    check_fp8,
+    fp8_parameter,
+    scale_converter,
+    scale_parameter,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8SparseMoeBlock(SparseMoeBlock):
+    """`SparseMoeBlock` whose experts hold FP8 weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: MoeConfig,
+        quant: QuantConfig,
+        moe_backend: MoeBackend | None = None,
+    ) -> None:
+        """Raises UnsupportedModelError when block scales cut through the gate/up split."""
+        super().__init__(hidden_size, config, moe_backend)
+        self.quant = quant
+        self.block = quant.block_size if quant.strategy == "block" else None
+        num_experts, inter = config.num_experts, config.intermediate_size
+        self.w13 = fp8_parameter((num_experts, 2 * inter, hidden_size))
+        self.w2 = fp8_parameter((num_experts, hidden_size, inter))
+        if self.block is not None:
+            block_rows, block_cols = self.block
+            if inter % block_rows:
+                raise UnsupportedModelError(
+                    f"expert width {inter} does not split into {block_rows}-row scale blocks "
+                    f"({quant.describe()})"
+                )
+            self.w13_scale = scale_parameter(
+                (num_experts, 2 * inter // block_rows, _cdiv(hidden_size, block_cols))
+            )
+            self.w2_scale = scale_parameter(
+                (num_experts, _cdiv(hidden_size, block_rows), _cdiv(inter, block_cols))
+            )
+        else:
+            self.w13_scale = scale_parameter((num_experts, 2 * inter))
+            self.w2_scale = scale_parameter((num_experts, hidden_size))
+        self.w13_input_scale = None
+        self.w2_input_scale = None
+        if quant.static_input_scale:
+            self.w13_input_scale = scale_parameter((num_experts, 2))
+            self.w2_input_scale = scale_parameter((num_experts,))
+        if not hasattr(self.moe_backend, "experts_fp8"):
+            # The reference syncs with the host (experts in use): no CUDA graph capture
+            # (`runner.backends.graph_safe` reads the backend's `cuda_graph_safe`).
+            self.moe_backend = TorchMoe()
+
+    def add_spare_slots(self, num_spare: int) -> None:
+        """Only 0 spares: spare slots are not supported with FP8 experts yet.
+
+        Raises:
+            InvalidParameterError: num_spare != 0.
+        """
+        if num_spare != 0:
+            raise InvalidParameterError(
+                "num_spare_experts",
+                f"num_spare_experts={num_spare} is not supported with FP8 experts yet (use 0)",
+            )
+
+    def quant_dtypes(self) -> dict[str, torch.dtype]:
+        """Parameters that keep their own dtype when the model is cast (`quant.apply`)."""
+        dtypes = {"w13": FP8_DTYPE, "w2": FP8_DTYPE}
+        for name in ("w13_scale", "w2_scale", "w13_input_scale", "w2_input_scale"):
+            dtypes[name] = torch.float32
+        return dtypes
+
+    def checkpoint_target(
+        self, expert: int, part: str, kind: str
+    ) -> tuple[str, tuple[int | slice, ...], Convert | None] | None:
+        """Where expert `expert`'s checkpoint tensor `<part>.<kind>` goes: (our parameter's
+        local name, index, check/convert), or None when there is no such tensor.
+
+        part: "gate", "up" or "down"; kind: "weight", the scheme's scale name or "input_scale".
+        """
+        if expert >= self.config.num_experts:
+            return None
+        inter = self.config.intermediate_size
+        if part == "down":
+            param, rows, slot = "w2", slice(0, self.w2.shape[1]), 0
+        else:
+            param, slot = "w13", int(part == "up")
+            rows = slice(slot * inter, (slot + 1) * inter)
+        if kind == "weight":
+            return param, (expert, rows), check_fp8
+        if kind == "input_scale":
+            if self.w13_input_scale is None:
+                return None
+            index = (expert,) if param == "w2" else (expert, slot)
+            return f"{param}_input_scale", index, scale_converter((), ((), (1,)))
+        if kind != self.quant.scale_name:
+            return None
+        num_rows = rows.stop - rows.start
+        if self.block is not None:
+            block_rows = self.block[0]
+            scale_rows = slice(rows.start // block_rows, _cdiv(rows.stop, block_rows))
+            shape = (scale_rows.stop - scale_rows.start, getattr(self, f"{param}_scale").shape[2])
+            return f"{param}_scale", (expert, scale_rows), scale_converter(shape, (shape,))
+        allowed = ((num_rows,), (num_rows, 1)) if self.quant.strategy == "channel" else ((), (1,))
+        return f"{param}_scale", (expert, rows), scale_converter((num_rows,), allowed)
+
+    def _run_experts(
+        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, state: ExpertState
+    ) -> Tensor:
+        """The FP8 experts on topk_ids [T, k] -> [T, hidden_size] (no spare slots here)."""
+        return self.moe_backend.experts_fp8(
+            hidden,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            self.block,
+            topk_weights,
+            topk_ids,
+            state.anomalous,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.config}, {self.quant.describe()}"
