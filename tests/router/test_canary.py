@@ -229,6 +229,7 @@ def test_snapshot() -> None:
             "to_weight": 0.05,
             "state": "ramping",
             "reason": "canary replica present: start at 5 %",
+            "age_s": 0.0,
         }
     ]
 

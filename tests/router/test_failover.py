@@ -101,6 +101,7 @@ def test_a_stream_cut_after_tokens_ends_with_an_error_event_and_is_not_replayed(
             cut_replica = app.state.router.registry.get(cut_url)
             wait_until(lambda: cut_replica.inflight == 0, "the stream accounted")
             failures = cut_replica.breaker.window_counts()
+            cuts = _metric(client, "sits:router_replica_errors_total")
     events = _events(response.text)
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:3]]
     assert texts == ["", "t0", "t1"]  # what the replica sent, once
@@ -108,6 +109,7 @@ def test_a_stream_cut_after_tokens_ends_with_an_error_event_and_is_not_replayed(
     assert events[4:] == ["[DONE]"]
     assert len(ok.seen) == 0  # never replayed elsewhere
     assert failures == (1, 1)
+    assert cuts == 1  # kind="stream_cut"
 
 
 def test_a_500_is_the_replicas_answer_and_counts_against_it() -> None:

@@ -123,6 +123,7 @@ def test_a_slow_canary_is_rolled_back() -> None:
     assert state["state"] == "rolled_back"
     assert state["weight"] == 0.0
     assert state["history"][-1]["reason"].startswith("rollback: canary ttft p95")
+    assert state["history"][-1]["age_s"] >= 0
     assert after == [s_url] * 10
 
 
@@ -167,7 +168,11 @@ def test_a_tenants_rate_limit_holds_across_two_replicas() -> None:
                     lambda b=bias, rs=replicas: all(r.inflight == b[r.url] for r in rs), "done"
                 )
             refused = client.post("/v1/completions", json=STREAM, headers=client_auth)
+            models_without_key = client.get("/v1/models")
+            models = client.get("/v1/models", headers=client_auth)
     assert missing.status_code == 401
+    assert models_without_key.status_code == 401  # as on a replica with tenants
+    assert models.status_code == 200
     assert [r.status_code for r in served] == [200, 200, 200]
     assert {r.headers["x-sits-replica"] for r in served} == {a_url, b_url}
     assert refused.status_code == 429

@@ -148,6 +148,17 @@ def test_without_a_key_the_least_loaded_wins_ties_by_url() -> None:
     assert choose(replicas, None, 1.0) == RouteChoice(A, RouteReason.LEAST_LOADED)
 
 
+def test_a_tiebreak_spreads_equally_idle_replicas_and_keeps_the_load_rule() -> None:
+    replicas = _replicas()
+    picks = [choose(replicas, None, 1.0, tiebreak=bytes([i])) for i in range(30)]
+    assert {p.reason for p in picks} == {RouteReason.LEAST_LOADED}
+    assert [p.url for p in picks] == [rendezvous_rank(bytes([i]), URLS)[0] for i in range(30)]
+    assert {p.url for p in picks} == set(URLS)
+    by_url = _by_url(replicas)
+    by_url[A].inflight = by_url[B].inflight = 1
+    assert {choose(replicas, None, 1.0, tiebreak=bytes([i])).url for i in range(30)} == {C}
+
+
 def test_exclude_and_the_only_candidate() -> None:
     replicas = _replicas()
     key = b"k"

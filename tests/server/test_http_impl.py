@@ -51,3 +51,18 @@ def test_unknown_choices_are_refused() -> None:
         resolve_http("h2")
     with pytest.raises(InvalidParameterError, match="must be one of auto, asyncio, uvloop"):
         loop_factory("trio")
+
+
+def test_successful_health_probes_leave_no_access_line() -> None:
+    import logging
+
+    from sits.server.runner import QuietProbes
+
+    def record(path: str, status: int) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "GET", path, "1.1", status)
+        return logging.LogRecord("uvicorn.access", 20, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
+
+    quiet = QuietProbes()
+    assert quiet.filter(record("/health", 200)) is False
+    assert quiet.filter(record("/health", 503)) is True  # a failing probe is news
+    assert quiet.filter(record("/v1/completions", 200)) is True

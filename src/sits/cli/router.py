@@ -65,12 +65,12 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         "P99 is above this (default %(default)g; a tenant's ttft_ms takes its place)",
     )  # fmt: skip
     p.add_argument(
-        "--load-bound", type=float, default=DEFAULT_LOAD_BOUND,
+        "--load-bound", type=float, default=DEFAULT_LOAD_BOUND, metavar="B",
         help="how much more loaded (waiting + running/capacity + KV use + overload) the "
         "prefix-affine replica may be than the least loaded one (default %(default)g)",
     )  # fmt: skip
     p.add_argument(
-        "--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
+        "--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS, metavar="N",
         help="replicas tried per request before 503 (default %(default)d)",
     )  # fmt: skip
     p.add_argument(
@@ -113,15 +113,15 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds at one weight before stepping up (default %(default)g)",
     )  # fmt: skip
     p.add_argument(
-        "--canary-max-ttft-ratio", type=float, default=defaults.max_ttft_p95_ratio,
+        "--canary-max-ttft-ratio", type=float, default=defaults.max_ttft_p95_ratio, metavar="R",
         help="roll back when canary P95 TTFT > ratio x stable's (+ slack) (default %(default)g)",
     )  # fmt: skip
     p.add_argument(
-        "--canary-max-tpot-ratio", type=float, default=defaults.max_tpot_p95_ratio,
+        "--canary-max-tpot-ratio", type=float, default=defaults.max_tpot_p95_ratio, metavar="R",
         help="roll back when canary P95 TPOT > ratio x stable's (+ slack) (default %(default)g)",
     )  # fmt: skip
     p.add_argument(
-        "--canary-max-error-delta", type=float, default=defaults.max_error_rate_delta,
+        "--canary-max-error-delta", type=float, default=defaults.max_error_rate_delta, metavar="D",
         help="roll back when the canary's error rate exceeds stable's by this (default "
         "%(default)g)",
     )  # fmt: skip
@@ -134,8 +134,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the event loop (default auto: uvloop when installed, else asyncio's)",
     )  # fmt: skip
     p.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
-    )
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        help="log level of sits and uvicorn (default info)",
+    )  # fmt: skip
     p.set_defaults(func=run_router)
     return p
 

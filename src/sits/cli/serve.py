@@ -200,6 +200,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
+        help="log level of sits and uvicorn (default info)",
     )
     add_fleet_args(p)
     p.set_defaults(func=run_serve)

@@ -12,6 +12,7 @@ the lifespan adds the static replicas, starts the probe rounds and closes the po
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,6 +43,8 @@ from sits.router.registry import Registry
 from sits.router.settings import RouterSettings
 from sits.server.auth import keys_match, presented_key
 from sits.server.errors import ServerError, error_response, install_error_handlers
+
+logger = logging.getLogger(__name__)
 
 _KEEPALIVE_S = 4.0
 _CANARY_DONE = (CanaryState.PROMOTED, CanaryState.ROLLED_BACK)
@@ -135,11 +138,13 @@ def _add_api_routes(app: FastAPI, state: RouterState) -> None:
         app.add_api_route(path, forward, methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
+    async def list_models(request: Request) -> dict[str, Any]:
+        _require_client(request, state)
         return {"object": "list", "data": [_card(m, state) for m in state.registry.models()]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> dict[str, Any]:
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        _require_client(request, state)
         if model_id not in state.registry.models():
             raise ServerError(
                 404,
@@ -178,6 +183,21 @@ def _card(model: str, state: RouterState) -> dict[str, Any]:
     return card
 
 
+def _require_client(request: Request, state: RouterState) -> None:
+    """With tenants, the model list needs a tenant's key (or the router's), as on a replica.
+
+    Raises:
+        ServerError: 401 `invalid_api_key`.
+    """
+    if not state.limits.enabled:
+        return
+    key = presented_key(request)
+    router_key = state.settings.router_key
+    if router_key is not None and keys_match(router_key, key):
+        return
+    state.limits.authenticate(key)
+
+
 def _require_router_key(request: Request, state: RouterState) -> None:
     """Raises ServerError 401 unless the request carries the router's key (404 without one:
     the router then takes no registrations)."""
@@ -192,13 +212,21 @@ def _add_fleet_routes(app: FastAPI, state: RouterState) -> None:
     async def beat(request: Request) -> dict[str, Any]:
         _require_router_key(request, state)
         try:
-            heartbeat = Heartbeat.from_json(await request.json())
-        except ValueError as exc:  # not JSON
+            body = await request.json()
+        except ValueError as exc:
             raise ServerError(400, f"The body is not JSON: {exc}", code="invalid_json") from exc
-        except InvalidParameterError as exc:
+        try:
+            heartbeat = Heartbeat.from_json(body)
+        except InvalidParameterError as exc:  # before ValueError: it is one
             raise ServerError(400, str(exc), param=exc.param, code="invalid_value") from exc
-        known = state.registry.get(heartbeat.url) is not None
+        before = state.registry.get(heartbeat.url)
+        known, was = before is not None, before.status if before is not None else None
         replica = state.registry.heartbeat(heartbeat)
+        if not known or was is not replica.status:
+            logger.info(
+                "replica %s (%s, %s): %s", replica.url, replica.version_label,
+                ", ".join(replica.models), "registered" if not known else replica.status.value,
+            )  # fmt: skip
         if not known and replica.is_canary and state.canary.state in _CANARY_DONE:
             state.canary.reset()  # a new canary version: its ramp starts over
         return {"url": replica.url, "status": replica.status.value}

@@ -21,6 +21,7 @@ Not thread-safe (the router uses it from one event loop).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -28,6 +29,8 @@ from typing import Any
 from sits.admission.clock import Clock
 from sits.core.errors import InvalidParameterError
 from sits.router.predictor import LatencyWindow
+
+logger = logging.getLogger(__name__)
 
 MAX_HISTORY = 100  # decisions kept for GET /v1/router/canary
 
@@ -257,7 +260,8 @@ class CanaryController:
 
     def snapshot(self) -> dict[str, Any]:
         """JSON for GET /v1/router/canary: state, weight, config, each side's window figures
-        and the history."""
+        and the history (each decision's `time_s` on the router's monotonic clock and its
+        `age_s`, seconds ago)."""
         return {
             "state": str(self._state),
             "weight": self._weight,
@@ -266,7 +270,9 @@ class CanaryController:
                 "canary": self._canary.stats().to_json(),
                 "stable": self._stable.stats().to_json(),
             },
-            "history": [d.to_json() for d in self._history],
+            "history": [
+                {**d.to_json(), "age_s": self._clock.monotonic() - d.time_s} for d in self._history
+            ],
         }
 
     def side_stats(self, is_canary: bool) -> SideStats:
@@ -310,6 +316,13 @@ class CanaryController:
         self._stable.clear()
         self._history = [*self._history[-(MAX_HISTORY - 1) :], decision]
         return decision
+
+
+def log_canary(decision: CanaryDecision) -> None:
+    """Log a decision: a rollback at WARNING (an operator acts on it), a step at INFO."""
+    level = logging.WARNING if decision.state is CanaryState.ROLLED_BACK else logging.INFO
+    logger.log(level, "canary %s -> %s: %s", _pct(decision.from_weight), _pct(decision.to_weight),
+               decision.reason)  # fmt: skip
 
 
 def pick_canary(weight: float, u: float) -> bool:

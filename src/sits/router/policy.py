@@ -108,6 +108,7 @@ def choose(
     key: bytes | None,
     load_bound: float,
     exclude: Collection[str] = (),
+    tiebreak: bytes | None = None,
 ) -> RouteChoice | None:
     """Pick a replica among `candidates` whose url is not in `exclude`.
 
@@ -115,13 +116,16 @@ def choose(
     - With a key: the key's rendezvous-first replica (PREFIX_AFFINITY), unless its
       `load_score` exceeds the least loaded's by more than `load_bound`: then the least loaded
       (LOAD_BOUND), ties in the key's rendezvous order.
-    - Without a key: the least loaded (LEAST_LOADED), ties by url.
+    - Without a key: the least loaded (LEAST_LOADED), ties in `tiebreak`'s rendezvous order
+      (the router draws one per request, so equally idle replicas share sequential traffic),
+      else by url.
 
     Args:
         candidates: routable replicas (`Registry.candidates`).
         key: `prefix_key` of the request, or None.
         load_bound: how much busier (in `load_score` units) the affine replica may be, >= 0.
         exclude: urls already tried for this request.
+        tiebreak: bytes ordering equally loaded replicas when there is no key, or None.
 
     Returns:
         The choice, or None when no candidate is left.
@@ -136,7 +140,8 @@ def choose(
         return None
     if len(left) == 1:
         return RouteChoice(next(iter(left)), RouteReason.ONLY)
-    order = rendezvous_rank(key, left) if key is not None else sorted(left)
+    ranking = key if key is not None else tiebreak
+    order = rendezvous_rank(ranking, left) if ranking is not None else sorted(left)
     scores = {url: load_score(left[url]) for url in order}
     least = min(order, key=scores.__getitem__)  # min keeps the first of equal scores
     if key is None:

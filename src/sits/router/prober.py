@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from sits.router.canary import CanaryController
-from sits.router.registry import Registry, Replica
+from sits.router.canary import CanaryController, log_canary
+from sits.router.registry import Registry, Replica, ReplicaStatus
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Prober:
         await asyncio.gather(*(self._probe(r) for r in replicas))
         decision = self.canary.evaluate(self.canary_present())
         if decision is not None:
-            logger.warning("canary: %s", decision.reason)
+            log_canary(decision)
 
     async def _probe(self, replica: Replica) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -97,7 +97,8 @@ class Prober:
         was = replica.status
         self.registry.record_probe(replica.url, ok)
         if replica.status is not was:
-            logger.warning("replica %s: %s -> %s", replica.url, was.value, replica.status.value)
+            level = logging.INFO if replica.status is ReplicaStatus.HEALTHY else logging.WARNING
+            logger.log(level, "replica %s: %s -> %s", replica.url, was.value, replica.status.value)
         if ok and replica.static and not replica.models:
             await self._discover_models(replica)
 

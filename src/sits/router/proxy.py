@@ -36,7 +36,7 @@ from starlette.responses import Response
 from sits.admission import Clock
 from sits.core.fleet import CANARY_VERSION_LABEL, REPLICA_HEADER, TENANT_HEADER
 from sits.router.attempt import Answer, Failure, close_upstream, error_code, send_attempt
-from sits.router.canary import CanaryController, CanaryState, pick_canary
+from sits.router.canary import CanaryController, CanaryState, log_canary, pick_canary
 from sits.router.limits import FleetLimits, FleetTicket, prompt_text
 from sits.router.metrics import RouterMetrics
 from sits.router.policy import RouteReason, choose, prefix_key
@@ -161,7 +161,8 @@ class Proxy:
                 choice = choose(fallbacks, key, self.settings.load_bound)
                 if choice is not None:
                     return self.registry.get(choice.url), RouteReason.FALLBACK
-        choice = choose(group, key, self.settings.load_bound)
+        tiebreak = self._rng.randbytes(8) if key is None else None
+        choice = choose(group, key, self.settings.load_bound, tiebreak=tiebreak)
         if choice is None:
             return None
         reason = RouteReason.CANARY if is_canary else choice.reason
@@ -336,6 +337,12 @@ class Proxy:
 
         async def on_close() -> None:
             close_upstream(upstream, whole=relay.saw_done)
+            if relay.failed:
+                self.metrics.errors.labels(replica.url, "stream_cut").inc()
+                logger.warning(
+                    "stream from %s failed after %d events (the client got an error event)",
+                    replica.url, relay.num_frames,
+                )  # fmt: skip
             ttft_s = None if relay.first_frame_s is None else relay.first_frame_s - call.start_s
             self._end(call, replica, 200, relay.failed, ttft_s, relay.tpot_s(), relay.total_tokens)
 
@@ -375,7 +382,7 @@ class Proxy:
             )
             decision = self.canary.evaluate(self.canary_present())
             if decision is not None:
-                logger.warning("canary: %s", decision.reason)
+                log_canary(decision)
 
     def _release(self, call: _Call, total_tokens: int | None) -> None:
         if call.ticket is not None:

@@ -109,6 +109,17 @@ def _bound_port(servers: list[asyncio.Server]) -> int | None:
     return None
 
 
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines of successful `/health` probes (a load balancer or the fleet
+    router probes every second; a failing probe is still logged)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 5 and args[2] == "/health":
+            return args[4] != 200
+        return True
+
+
 def make_server(
     app: FastAPI, host: str, port: int, log_level: str = "info", **uvicorn_kwargs: object
 ) -> DrainingServer:
@@ -122,6 +133,9 @@ def make_server(
         lifespan="on",
         **uvicorn_kwargs,  # type: ignore[arg-type]
     )
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietProbes) for f in access.filters):
+        access.addFilter(QuietProbes())
     return DrainingServer(config, app.state.ctx.lifecycle)
 
 
