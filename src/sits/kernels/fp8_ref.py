@@ -1,7 +1,8 @@
 """Plain PyTorch FP8 (float8_e4m3fn) weights: quantize, dequantize and the reference linear.
 
-This is the reference the Triton FP8 GEMM will sit beside (`fp8_linear` is the seam the
-quantized linear layers call).
+This is the reference the Triton FP8 GEMM (`fp8_gemm_triton`) sits beside: `fp8_linear` is
+the seam the quantized linear layers call, and dispatches to the kernel on CUDA;
+`fp8_linear_w8a8_reference` is the kernel's own reference (activations quantized too).
 
 Invariants:
 - A quantized weight is `q` [..., N, K] float8_e4m3fn with a float32 scale, w ~= q * scale, in
@@ -25,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sits.kernels.triton_utils import has_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -83,9 +86,10 @@ def fp8_linear(
 ) -> Tensor:
     """y = x @ dequantize(weight).T (+ bias): the reference FP8 GEMM.
 
-    The weight is dequantized to x's dtype and multiplied in that dtype (weight-only
-    semantics). A kernel that also quantizes the activations (dynamic per-token-group scales,
-    or a static `input_scale`) agrees with this within FP8 activation rounding.
+    Off CUDA: the weight is dequantized to x's dtype and multiplied in that dtype (weight-only
+    semantics). On CUDA (FP8 tensor cores, Triton installed): `fp8_gemm_triton`, which also
+    quantizes the activations per token and 128-wide K group (`fp8_linear_w8a8_reference`),
+    and agrees with this within FP8 activation rounding.
 
     Args:
         x: [num_tokens, K], the model dtype.
@@ -97,7 +101,54 @@ def fp8_linear(
     Returns:
         [num_tokens, N] in x's dtype.
     """
+    if x.is_cuda and has_triton():  # the FP8 GEMM (activations quantized per token group)
+        from sits.kernels.fp8_gemm_triton import fp8_gemm_supported, triton_fp8_linear
+
+        if fp8_gemm_supported(x.device):
+            return triton_fp8_linear(x, weight, weight_scale, bias, block)
     return F.linear(x, dequantize_fp8(weight, weight_scale, block, x.dtype), bias)
+
+
+def quantize_fp8_per_token_group(x: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    """Dynamic activation quantization: one scale per token and `group_size`-wide K group.
+
+    Args:
+        x: [M, K], any float dtype.
+        group_size: K elements per scale (the last group may be shorter).
+
+    Returns:
+        (q [M, K] float8_e4m3fn, scale [M, ceil(K / group_size)] float32), x ~= q * scale;
+        scale = amax(|group|) / 448, 1 for an all-zero group.
+    """
+    return quantize_fp8_block(x, (1, group_size))
+
+
+def fp8_linear_w8a8_reference(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    group_size: int = 128,
+) -> Tensor:
+    """The W8A8 FP8 GEMM's reference: x quantized as `quantize_fp8_per_token_group`, both
+    operands dequantized and multiplied in float32, the bias added in float32, one cast to x's
+    dtype (what `kernels.fp8_gemm_triton` computes, up to float32 summation order).
+
+    Args: as `fp8_linear`; weight_scale may also be one element (per-tensor).
+
+    Returns:
+        [num_tokens, N] in x's dtype.
+    """
+    q, scale = quantize_fp8_per_token_group(x, group_size)
+    x32 = dequantize_fp8(q, scale, (1, group_size), torch.float32)  # [M, K]
+    if block is None and weight_scale.numel() == 1:
+        weight_scale = weight_scale.reshape(1).expand(weight.shape[0])
+    w32 = dequantize_fp8(weight, weight_scale, block, torch.float32)  # [N, K]
+    y = x32 @ w32.T  # [M, N] float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def quantize_fp8_per_row(weight: Tensor) -> tuple[Tensor, Tensor]:
