@@ -7,7 +7,7 @@
 #   tests    all gpu-marked tests (kernels, sampling, models, layers, runner); the kernel
 #            tests alone took 5.6 min serially (now on four pytest-xdist workers when the
 #            image has xdist): give this section a lane of its own
-#   micro    attention / quantized attention / MoE / norm+rotary micro-benchmarks
+#   micro    attention / quantized attention / MoE / norm+rotary / FP8 GEMM micro-benchmarks
 #   e2e      short end-to-end runs: qwen3-30b-a3b throughput (no peer) and batch-1 latency
 #   profile  kernel time breakdown of decode (batch 1/10/64) and a 2048-token prefill
 #   decode   the issue-4 qwen3 figures without the peer (batch 10 2048/1024 and batch 1 TPOT,
@@ -179,6 +179,7 @@ if has micro; then
   run attention_quant_bench python3 bench/kernels/attention_quant_bench.py
   run moe_bench python3 bench/kernels/moe_bench.py
   run norm_rotary_bench python3 bench/kernels/norm_rotary_bench.py
+  run fp8_gemm_bench python3 bench/kernels/fp8_gemm_bench.py
 fi
 if has e2e; then
   run latency_qwen3_b1 sits bench latency --random-weights qwen3-30b-a3b --batch-size 1 \
