@@ -106,11 +106,14 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
         core = live.engine.engine_core
         step = core.step
         slow = threading.Event()
+        polled_during = threading.Event()  # /health answered 3 times inside the slow step
+        during: list[int] = []
 
         def slow_once(*args) -> list:
             if not slow.is_set():
                 slow.set()
-                threading.Event().wait(2.5)
+                threading.Event().wait(2.5)  # longer than the 1 s health timeout
+                polled_during.wait(120)  # and long enough for the poller, however busy
             return step(*args)
 
         core.step = slow_once
@@ -120,7 +123,12 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
         def poll_health() -> None:
             with live.http() as own:  # a client per thread
                 while not done.wait(0.2):
-                    health.append(own.get("/health").status_code)
+                    status = own.get("/health").status_code
+                    health.append(status)
+                    if slow.is_set() and not polled_during.is_set():
+                        during.append(status)
+                        if len(during) >= 3:
+                            polled_during.set()
 
         poller = threading.Thread(target=poll_health)
         poller.start()
@@ -132,7 +140,8 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
             poller.join(5)
         assert slow.is_set()
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
-        assert len(health) >= 8 and set(health) == {200}  # polled through the 2.5 s step
+        assert during == [200, 200, 200]  # polled inside the long step: healthy throughout
+        assert set(health) == {200}
         assert live.engine.is_healthy() and live.fatal_codes == []
 
 
