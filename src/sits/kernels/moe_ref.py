@@ -9,7 +9,9 @@ Invariants:
 - `moe_forward` accumulates the weighted expert outputs in float32 and returns hidden's dtype.
 - `moe_forward_fp8` (FP8 experts, `layers.quant.fp8_moe`) dequantizes only the experts the
   step routes to (`kernels.fp8_ref.dequantize_fp8`, into hidden's dtype) and runs
-  `moe_forward` on them: the same result as `moe_forward` on the dequantized weights.
+  `moe_forward` on them: the same result as `moe_forward` on the dequantized weights;
+  `moe_forward_int4` (INT4 w4a16 experts, `layers.quant.int4_moe`) likewise with
+  `kernels.int4_ref.dequantize_int4`. Both share `moe_forward_dequantized`.
 
 Algorithm: sparsely-gated top-k Mixture-of-Experts (Shazeer et al. 2017); the Mixtral router
 (Jiang et al. 2024, "Mixtral of Experts") is softmax -> top-k -> renormalise, which equals a
@@ -18,11 +20,14 @@ softmax over the top-k logits; Qwen3-MoE renormalises only when `norm_topk_prob`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from sits.kernels.fp8_ref import dequantize_fp8
+from sits.kernels.int4_ref import dequantize_int4
 
 
 def select_experts(
@@ -140,10 +145,68 @@ def moe_forward_fp8(
     Returns:
         [num_tokens, hidden_size], hidden's dtype.
     """
-    num_experts = w13.shape[0]
+    return moe_forward_dequantized(
+        hidden,
+        w13.shape[0],
+        lambda used: (
+            dequantize_fp8(w13[used], w13_scale[used], block, hidden.dtype),  # [U, 2I, H]
+            dequantize_fp8(w2[used], w2_scale[used], block, hidden.dtype),  # [U, H, I]
+        ),
+        topk_weights,
+        topk_ids,
+        nonfinite_experts,
+    )
+
+
+def moe_forward_int4(
+    hidden: Tensor,
+    w13: tuple[Tensor, Tensor, Tensor | None],
+    w2: tuple[Tensor, Tensor, Tensor | None],
+    group_size: int,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    nonfinite_experts: Tensor | None = None,
+) -> Tensor:
+    """`moe_forward` over INT4 (w4a16) experts, dequantizing only the experts that got tokens.
+
+    Args:
+        hidden: [num_tokens, hidden_size].
+        w13: (packed [E, 2I, H // 8] int32, scale [E, 2I, H // G] float32, zero [E, 2I, H // G]
+            uint8 or None), the layout of `kernels.int4_ref`.
+        w2: (packed [E, H, I // 8], scale [E, H, I // G], zero [E, H, I // G] or None).
+        group_size: G.
+        topk_weights, topk_ids, nonfinite_experts: as `moe_forward` (ids -1 = no expert).
+
+    Returns:
+        [num_tokens, hidden_size], hidden's dtype.
+    """
+
+    def dequantize(used: Tensor) -> tuple[Tensor, Tensor]:
+        out = []
+        for packed, scale, zero in (w13, w2):
+            zero_used = None if zero is None else zero[used]
+            out.append(
+                dequantize_int4(packed[used], scale[used], zero_used, group_size, hidden.dtype)
+            )
+        return out[0], out[1]
+
+    return moe_forward_dequantized(
+        hidden, w13[0].shape[0], dequantize, topk_weights, topk_ids, nonfinite_experts
+    )
+
+
+def moe_forward_dequantized(
+    hidden: Tensor,
+    num_experts: int,
+    dequantize: Callable[[Tensor], tuple[Tensor, Tensor]],
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    nonfinite_experts: Tensor | None = None,
+) -> Tensor:
+    """`moe_forward` over quantized experts: `dequantize(used)` gives (w13 [U, 2I, H], w2
+    [U, H, I]) in hidden's dtype for the sorted expert ids `used` [U] that got tokens."""
     used = torch.unique(topk_ids[topk_ids >= 0])  # [U] sorted expert ids
-    w13_used = dequantize_fp8(w13[used], w13_scale[used], block, hidden.dtype)  # [U, 2I, H]
-    w2_used = dequantize_fp8(w2[used], w2_scale[used], block, hidden.dtype)  # [U, H, I]
+    w13_used, w2_used = dequantize(used)
     local = torch.full((num_experts,), -1, dtype=torch.int64, device=topk_ids.device)
     local[used] = torch.arange(used.numel(), device=topk_ids.device)
     local_ids = torch.where(topk_ids >= 0, local[topk_ids.clamp(min=0)], -1)  # [T, k]
@@ -157,8 +220,8 @@ def moe_forward_fp8(
 
 
 class TorchMoe:
-    """The CPU/reference MoE backend: `select_experts`, `moe_forward` and `moe_forward_fp8`
-    as methods."""
+    """The CPU/reference MoE backend: `select_experts`, `moe_forward`, `moe_forward_fp8` and
+    `moe_forward_int4` as methods."""
 
     def select_experts(
         self, router_logits: Tensor, top_k: int, renormalize: bool
@@ -193,4 +256,19 @@ class TorchMoe:
         """See `moe_forward_fp8`: [T, H] in hidden's dtype."""
         return moe_forward_fp8(
             hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids, nonfinite_experts
+        )
+
+    def experts_int4(
+        self,
+        hidden: Tensor,
+        w13: tuple[Tensor, Tensor, Tensor | None],
+        w2: tuple[Tensor, Tensor, Tensor | None],
+        group_size: int,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
+    ) -> Tensor:
+        """See `moe_forward_int4`: [T, H] in hidden's dtype."""
+        return moe_forward_int4(
+            hidden, w13, w2, group_size, topk_weights, topk_ids, nonfinite_experts
         )
