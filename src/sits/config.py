@@ -33,7 +33,7 @@ QUANTIZATION_METHODS = (
     "torchao",
     "mxfp4",
 )
-IMPLEMENTED_QUANTIZATION = ("fp8", "compressed-tensors")
+IMPLEMENTED_QUANTIZATION = ("fp8", "compressed-tensors", "gptq", "awq", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +88,10 @@ class EngineConfig:
         quantization: weight quantization, vLLM's names: None (the default: what the
             checkpoint's `quantization_config` says, or unquantized), "fp8" (an FP8
             checkpoint, or online FP8 of an unquantized one: per-channel weight scales made
-            at load) or "compressed-tensors" (its FP8 float-quantized checkpoints). Other
-            names (awq, gptq, int4, ...) are refused (`sits.layers.quant.config`).
+            at load), "compressed-tensors" (its FP8 float-quantized and INT4 pack-quantized
+            checkpoints), "gptq" / "awq" (their 4-bit checkpoints) or "int4" (online
+            symmetric group-wise INT4 of an unquantized checkpoint, group 128). Other names
+            (bitsandbytes, gguf, marlin, ...) are refused (`sits.layers.quant.config`).
         num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically

@@ -258,24 +258,27 @@ def test_the_cli_flag_reaches_the_engine_config() -> None:
 # ---- refusals -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "int4", "nonsense"])
+@pytest.mark.parametrize("name", ["awq_marlin", "bitsandbytes", "gguf", "nonsense"])
 def test_unimplemented_quantization_flags_are_refused_at_start(name) -> None:
     with pytest.raises(InvalidParameterError) as info:
         LLM("/nonexistent", quantization=name)
     assert info.value.param == "quantization"
-    assert repr(name) in str(info.value) and "supported: fp8, compressed-tensors" in str(info.value)
+    supported = "supported: fp8, compressed-tensors, gptq, awq, int4"
+    assert repr(name) in str(info.value) and supported in str(info.value)
 
 
 @pytest.mark.parametrize(
     ("config", "found"),
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq' is not supported yet"),
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported yet"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "awq bits 8"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3"),
+        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported yet"),
         ({"quant_method": "hqq2"}, "unknown quant_method 'hqq2'"),
         (
             {**_ct_group("group", None), "format": "pack-quantized"},
-            "INT4 weights (w4a16)",
+            "pack-quantized weights",
         ),
+        ({**_ct_group("group", None), "format": "int-quantized"}, "format 'int-quantized'"),
         ({**FORMATS["fp8_block"], "fmt": "e5m2"}, "fp8 fmt 'e5m2'"),
     ],
 )

@@ -113,8 +113,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "-q",
         default=None,
         help="weight quantization (vLLM names): default, what the checkpoint's "
-        "quantization_config says; fp8 (FP8 checkpoints, or online FP8 of a bf16/fp32 one) or "
-        "compressed-tensors (FP8 float-quantized); awq, gptq and int4 are not supported yet",
+        "quantization_config says; fp8 (FP8 checkpoints, or online FP8 of a bf16/fp32 one), "
+        "compressed-tensors (FP8 float-quantized, INT4 pack-quantized), gptq, awq (4-bit), or "
+        "int4 (online symmetric INT4, group 128, of a bf16/fp32 one)",
     )
     parser.add_argument(
         "--tpot-pacing-fraction",

@@ -22,6 +22,11 @@ modules are swapped for FP8 ones on the meta device, and each checkpoint tensor 
 where the module's `checkpoint_target` says, checked for dtype and shape. Online quantization
 turns each model-dtype weight of a quantized module into FP8 values plus per-row scales as it
 streams by (`_online_fp8_pairs`), so no model-dtype copy of those weights is ever made.
+INT4 checkpoints (compressed-tensors `weight_packed` / `weight_scale` / `weight_shape`, GPTQ and
+AWQ `qweight` / `qzeros` / `scales` / `g_idx`) are converted tensor by tensor into one packed
+layout (`layers.quant.int4_formats`); online INT4 (`quantization="int4"`) streams each weight
+as the compressed-tensors tensors of its symmetric group-wise quantization
+(`_online_int4_pairs`).
 
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
@@ -50,10 +55,14 @@ from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.linear import FusedLinear
 from sits.layers.moe import MoeBackend, SparseMoeBlock
-from sits.layers.quant.apply import is_quantized, keep_quant_dtypes, quantize_modules
+from sits.layers.quant.apply import (
+    QUANT_LINEARS,
+    QUANT_MOE_BLOCKS,
+    is_quantized,
+    keep_quant_dtypes,
+    quantize_modules,
+)
 from sits.layers.quant.config import QuantConfig, quant_config_of
-from sits.layers.quant.fp8_linear import Fp8Weights
-from sits.layers.quant.fp8_moe import Fp8SparseMoeBlock
 from sits.models.dummy import fill_dummy_, init_dummy_weights, read_dummy_seed
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
@@ -61,7 +70,11 @@ from sits.models.registry import get_model_class
 HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 _MAX_NAMES_IN_ERROR = 8
 
-_KIND = r"(weight|bias|weight_scale_inv|weight_scale|input_scale)"
+_QUANT_KINDS = (
+    "weight_scale_inv", "weight_scale", "input_scale",  # FP8
+    "weight_packed", "weight_shape", "qweight", "qzeros", "scales", "g_idx",  # INT4
+)  # fmt: skip
+_KIND = rf"(weight|bias|{'|'.join(_QUANT_KINDS)})"
 _QKV = re.compile(rf"^(.*\.self_attn)\.([qkv])_proj\.{_KIND}$")
 _GATE_UP = re.compile(rf"^(.*\.mlp)\.(gate|up)_proj\.{_KIND}$")
 _EXPERT_W13 = re.compile(rf"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3)\.{_KIND}$")
@@ -148,7 +161,7 @@ def _quantization_config(hf_config: object) -> dict | None:
 def model_quant_config(model: nn.Module) -> QuantConfig | None:
     """The scheme of a model's quantized modules (None: unquantized)."""
     for module in model.modules():
-        if isinstance(module, Fp8Weights | Fp8SparseMoeBlock):
+        if isinstance(module, QUANT_LINEARS + QUANT_MOE_BLOCKS):
             return module.quant
     return None
 
@@ -258,7 +271,9 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     pairs = _safetensors_pairs(files)
     quant = model_quant_config(model)
     if quant is not None and quant.online:
-        pairs = _online_fp8_pairs(model, pairs)
+        pairs = (
+            _online_int4_pairs(model, pairs) if quant.is_int4 else _online_fp8_pairs(model, pairs)
+        )
     load_weights_from(model, pairs)
 
 
@@ -287,6 +302,32 @@ def _online_fp8_pairs(
         values, scale = quantize_fp8_per_row(tensor)  # [N, K] fp8, [N] float32
         yield name, values
         yield f"{name}_scale", scale
+
+
+def _online_int4_pairs(
+    model: DecoderForCausalLM, pairs: Iterable[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """Online INT4: each model-dtype weight bound for an INT4 module becomes the tensors of a
+    compressed-tensors pack-quantized checkpoint (`weight_packed`, `weight_scale`,
+    `weight_shape`), quantized symmetric group-wise (`kernels.int4_ref.quantize_int4`)."""
+    from sits.kernels.int4_ref import quantize_int4
+
+    params = dict(model.named_parameters())
+    quant = model_quant_config(model)
+    assert quant is not None and quant.group_size is not None
+    for name, tensor in pairs:
+        module = name.removesuffix(".weight")
+        packed_name = f"{module}.weight_packed"
+        quantized = name.endswith(".weight") and not _is_skipped(model, name)
+        target = _target_of(model, packed_name, params) if quantized else None
+        if target is None:
+            yield name, tensor
+            continue
+        # [N, K / 8] int32 and [N, K / G] float32
+        packed, scale = quantize_int4(tensor, quant.group_size)
+        yield packed_name, packed
+        yield f"{module}.weight_scale", scale
+        yield f"{module}.weight_shape", torch.tensor(tuple(tensor.shape))
 
 
 def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -350,12 +391,17 @@ def _checkpoint_names(model: nn.Module, param_name: str) -> str:
     prefix, _, local = param_name.rpartition(".")
     module = _submodule(model, prefix)
     quant = getattr(module, "quant", None)
-    if quant is None or local not in ("weight_scale", "input_scale", "w13_scale", "w2_scale"):
+    if quant is None or local in ("bias",):
         return param_name
-    kind = quant.scale_name if local != "input_scale" else "input_scale"
-    if isinstance(module, Fp8SparseMoeBlock):
-        parts = "{gate,up}_proj" if local == "w13_scale" else "down_proj"
-        hf = f"{prefix}.experts.<e>.{parts}.{quant.scale_name}"
+    if hasattr(module, "checkpoint_kind"):  # INT4: every tensor has its own name
+        kind = module.checkpoint_kind(local)
+    elif local not in ("weight_scale", "input_scale", "w13_scale", "w2_scale"):
+        return param_name
+    else:
+        kind = quant.scale_name if local != "input_scale" else "input_scale"
+    if isinstance(module, QUANT_MOE_BLOCKS):
+        parts = "down_proj" if local.startswith("w2") else "{gate,up}_proj"
+        hf = f"{prefix}.experts.<e>.{parts}.{kind}"
     else:
         owner, _, leaf = prefix.rpartition(".")
         parts = {"qkv_proj": "{q,k,v}_proj", "gate_up_proj": "{gate,up}_proj"}.get(leaf, leaf)
@@ -423,7 +469,7 @@ def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Targe
 
 def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> _Target | None:
     module = _submodule(model, module_name)
-    if isinstance(module, Fp8Weights):
+    if isinstance(module, QUANT_LINEARS):
         return _quant_target(module_name, module.checkpoint_target(kind, part))
     if not isinstance(module, FusedLinear) or kind not in ("weight", "bias"):
         return None
@@ -442,9 +488,9 @@ def _plain_target(model: nn.Module, name: str) -> _Target:
     """A name outside the fused patterns: a quantized single-part projection's tensor
     (o_proj, down_proj), else our parameter of the identical name."""
     prefix, _, kind = name.rpartition(".")
-    if kind in ("weight", "bias", "weight_scale_inv", "weight_scale", "input_scale"):
+    if kind in ("weight", "bias", *_QUANT_KINDS):
         module = _submodule(model, prefix)
-        if isinstance(module, Fp8Weights):
+        if isinstance(module, QUANT_LINEARS):
             target = _quant_target(prefix, module.checkpoint_target(kind, 0))
             return target if target is not None else _Target(name, ())
     return _Target(name, ())
@@ -454,10 +500,10 @@ def _fused_experts(model: nn.Module, prefix: str, param: str) -> _Target:
     """All experts of w13 or w2 at once: the whole parameter, or its logical slots 0 .. E-1
     when the block has spare slots."""
     module = _submodule(model, prefix)
-    if isinstance(module, Fp8SparseMoeBlock):
+    if isinstance(module, QUANT_MOE_BLOCKS):
         raise UnsupportedModelError(
             f"fused expert tensors ({prefix}.experts.gate_up_proj / down_proj) are not "
-            "supported with FP8 experts; per-expert tensors (experts.<e>.gate_proj ...) are"
+            "supported with quantized experts; per-expert tensors (experts.<e>.gate_proj ...) are"
         )
     if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
         return _Target(f"{prefix}.{param}", (slice(0, module.config.num_experts),))
@@ -468,9 +514,9 @@ def _expert_part(
     model: nn.Module, prefix: str, expert: int, part: str, kind: str = "weight"
 ) -> _Target | None:
     """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down"); for FP8
-    experts also their scales (`Fp8SparseMoeBlock.checkpoint_target`)."""
+    experts also their scales (`checkpoint_target` of the quantized MoE blocks)."""
     module = _submodule(model, prefix)
-    if isinstance(module, Fp8SparseMoeBlock):
+    if isinstance(module, QUANT_MOE_BLOCKS):
         return _quant_target(prefix, module.checkpoint_target(expert, part, kind))
     if not isinstance(module, SparseMoeBlock) or expert >= module.config.num_experts:
         return None

@@ -1,9 +1,10 @@
 """Turning a model-dtype decoder into its quantized twin by module swaps, before weights load.
 
 Invariants:
-- Quantized: every attention qkv_proj / o_proj, dense MLP gate_up_proj / down_proj and sparse
-  MoE experts, unless the scheme's ignore list names the checkpoint module (all fused parts
-  ignored: the module stays in the model dtype; some only: refused). The router gate, norms,
+- Quantized (FP8 or INT4 modules, by the scheme): every attention qkv_proj / o_proj, dense
+  MLP gate_up_proj / down_proj and sparse MoE experts, unless the scheme's ignore list names
+  the checkpoint module (all fused parts ignored: the module stays in the model dtype; some
+  only: refused). The router gate, norms,
   embeddings and lm_head are never swapped.
 - Swaps happen on the meta device (no memory); `keep_quant_dtypes` re-creates the quantized
   parameters in their storage dtypes after the model is cast to the model dtype, since
@@ -23,6 +24,14 @@ from sits.layers.moe import SparseMoeBlock
 from sits.layers.quant.config import QuantConfig
 from sits.layers.quant.fp8_linear import Fp8FusedLinear, Fp8GateUpLinear, Fp8QKVLinear
 from sits.layers.quant.fp8_moe import Fp8SparseMoeBlock
+from sits.layers.quant.int4_linear import Int4FusedLinear, Int4GateUpLinear, Int4QKVLinear
+from sits.layers.quant.int4_moe import Int4SparseMoeBlock
+
+# (fused linear, QKV, gate-up, MoE block) classes per storage.
+_FP8 = (Fp8FusedLinear, Fp8QKVLinear, Fp8GateUpLinear, Fp8SparseMoeBlock)
+_INT4 = (Int4FusedLinear, Int4QKVLinear, Int4GateUpLinear, Int4SparseMoeBlock)
+QUANT_LINEARS = (Fp8FusedLinear, Fp8QKVLinear, Fp8GateUpLinear) + _INT4[:3]
+QUANT_MOE_BLOCKS = (Fp8SparseMoeBlock, Int4SparseMoeBlock)
 
 
 def _all_or_none(quant: QuantConfig, names: list[str]) -> bool:
@@ -41,7 +50,7 @@ def _all_or_none(quant: QuantConfig, names: list[str]) -> bool:
 
 
 def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
-    """Swap the quantizable modules of `model` (on the meta device) for FP8 ones.
+    """Swap the quantizable modules of `model` (on the meta device) for FP8 or INT4 ones.
 
     Args:
         model: a `DecoderForCausalLM` built on the meta device.
@@ -52,33 +61,45 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
 
     Raises:
         UnsupportedModelError: an ignore list splitting fused parts, or shapes the scheme
-            cannot hold (block scales cutting a fused part).
+            cannot hold (block scales cutting a fused part, an INT4 group size not dividing
+            the input columns), naming the module.
     """
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
-        if isinstance(module, Attention):
-            parts = [f"{name}.{p}_proj" for p in "qkv"]
-            if not _all_or_none(quant, parts):
-                swaps.append((module, "qkv_proj", Fp8QKVLinear(module.qkv_proj, quant)))
-            if not quant.is_ignored(f"{name}.o_proj"):
-                swaps.append((module, "o_proj", Fp8FusedLinear.from_linear(module.o_proj, quant)))
-        elif isinstance(module, GatedMLP):
-            parts = [f"{name}.gate_proj", f"{name}.up_proj"]
-            if not _all_or_none(quant, parts):
-                gate_up = Fp8GateUpLinear(module.gate_up_proj, quant)
-                swaps.append((module, "gate_up_proj", gate_up))
-            if not quant.is_ignored(f"{name}.down_proj"):
-                down = Fp8FusedLinear.from_linear(module.down_proj, quant)
-                swaps.append((module, "down_proj", down))
-        elif isinstance(module, SparseMoeBlock) and not _experts_ignored(quant, name):
-            parent_name, _, attr = name.rpartition(".")
-            block = Fp8SparseMoeBlock(
-                module.gate.in_features, module.config, quant, module.moe_backend
-            )
-            swaps.append((model.get_submodule(parent_name), attr, block))
+        try:
+            swaps += _swaps_of(model, name, module, quant)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{name}: {err}") from err
     for parent, attr, new in swaps:
         setattr(parent, attr, new)
     return len(swaps)
+
+
+def _swaps_of(
+    model: nn.Module, name: str, module: nn.Module, quant: QuantConfig
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, quantized module) for the quantizable children of `module`."""
+    fused, qkv, gate_up_class, moe = _INT4 if quant.is_int4 else _FP8
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    if isinstance(module, Attention):
+        parts = [f"{name}.{p}_proj" for p in "qkv"]
+        if not _all_or_none(quant, parts):
+            swaps.append((module, "qkv_proj", qkv(module.qkv_proj, quant)))
+        if not quant.is_ignored(f"{name}.o_proj"):
+            swaps.append((module, "o_proj", fused.from_linear(module.o_proj, quant)))
+    elif isinstance(module, GatedMLP):
+        parts = [f"{name}.gate_proj", f"{name}.up_proj"]
+        if not _all_or_none(quant, parts):
+            gate_up = gate_up_class(module.gate_up_proj, quant)
+            swaps.append((module, "gate_up_proj", gate_up))
+        if not quant.is_ignored(f"{name}.down_proj"):
+            down = fused.from_linear(module.down_proj, quant)
+            swaps.append((module, "down_proj", down))
+    elif isinstance(module, SparseMoeBlock) and not _experts_ignored(quant, name):
+        parent_name, _, attr = name.rpartition(".")
+        block = moe(module.gate.in_features, module.config, quant, module.moe_backend)
+        swaps.append((model.get_submodule(parent_name), attr, block))
+    return swaps
 
 
 def _experts_ignored(quant: QuantConfig, block_name: str) -> bool:
@@ -95,7 +116,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 def keep_quant_dtypes(model: nn.Module) -> None:
     """Re-create (on the meta device) the quantized parameters that a cast to the model dtype
-    changed, in their storage dtypes (float8_e4m3fn weights, float32 scales)."""
+    changed, in their storage dtypes (float8_e4m3fn or int32 weights, float32 scales)."""
     for module in model.modules():
         if not hasattr(module, "quant_dtypes"):
             continue

@@ -12,9 +12,16 @@ Implemented (FP8 float8_e4m3fn weights, float32 scales):
 - Online (`--quantization fp8` on an unquantized checkpoint): per-output-channel scales made at
   load.
 
-Invariants: everything else (AWQ, GPTQ, INT4 `pack-quantized`, other bit widths, asymmetric
-schemes) raises `UnsupportedModelError` naming what was found and what is supported, before any
-weight is read; `--quantization` must agree with the checkpoint's method.
+Implemented (INT4 weight-only, w4a16, `group_size` set; layouts in `quant.int4_formats`):
+- compressed-tensors `pack-quantized`: int 4-bit, symmetric, strategy "group", no actorder.
+- `quant_method: "gptq"`: bits 4, a positive group size, `desc_act` true or false (dense
+  layers only for true), checkpoint_format "gptq" (zeros stored minus one).
+- `quant_method: "awq"`: bits 4, GEMM version, zero points.
+- Online (`--quantization int4`): symmetric, group ONLINE_INT4_GROUP_SIZE (128).
+
+Invariants: everything else (other bit widths, asymmetric compressed-tensors, AWQ GEMV, the
+marlin / exllama variants) raises `UnsupportedModelError` naming what was found and what is
+supported, before any weight is read; `--quantization` must agree with the checkpoint's method.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from sits.core.errors import UnsupportedModelError
 
 _SUPPORTED_TEXT = (
     "supported: fp8 (block-scaled `weight_block_size`, or per-tensor), compressed-tensors "
-    "float-quantized FP8 (channel, tensor or block weights), and --quantization fp8 of an "
-    "unquantized checkpoint"
+    "float-quantized FP8 (channel, tensor or block weights) and pack-quantized INT4 "
+    "(symmetric, group), gptq and awq (4 bits, group-wise), and --quantization fp8 / int4 "
+    "of an unquantized checkpoint"
 )
+ONLINE_INT4_GROUP_SIZE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,10 @@ class QuantConfig:
         ignore: module names kept unquantized (`modules_to_not_convert` / `ignore`; "re:"
             entries are regular expressions, others match whole dotted components).
         online: weights are quantized at load from an unquantized checkpoint.
+        group_size: INT4 (w4a16) weights with one scale per this many input columns; None
+            for FP8.
+        zero_points: INT4 weights carry zero points (gptq, awq); else symmetric (zero 8).
+        desc_act: GPTQ act-order: `g_idx` is any grouping of the input columns.
     """
 
     method: str
@@ -58,11 +71,23 @@ class QuantConfig:
     static_input_scale: bool = False
     ignore: tuple[str, ...] = ()
     online: bool = False
+    group_size: int | None = None
+    zero_points: bool = False
+    desc_act: bool = False
+
+    @property
+    def is_int4(self) -> bool:
+        """INT4 weight-only (w4a16) storage, else FP8."""
+        return self.group_size is not None
 
     def describe(self) -> str:
         """One line for errors and logs, e.g. "fp8 block [128, 128] weight_scale_inv"."""
         block = f" {list(self.block_size)}" if self.block_size else ""
         online = " (online)" if self.online else ""
+        if self.is_int4:
+            extra = " zero points" if self.zero_points else " symmetric"
+            extra += " desc_act" if self.desc_act else ""
+            return f"{self.method} int4 group {self.group_size}{extra}{online}"
         return f"{self.method} {self.strategy}{block} {self.scale_name}{online}"
 
     def is_ignored(self, module_name: str) -> bool:
@@ -121,9 +146,11 @@ def quant_config_of(hf_quant: dict[str, Any] | None, requested: str | None) -> Q
             return None
         if requested == "fp8":
             return online_fp8()
+        if requested == "int4":
+            return QuantConfig("int4", "group", group_size=ONLINE_INT4_GROUP_SIZE, online=True)
         raise UnsupportedModelError(
             f"--quantization {requested} needs a checkpoint quantized with it, but config.json "
-            "has no quantization_config (online quantization: --quantization fp8)"
+            "has no quantization_config (online quantization: --quantization fp8 or int4)"
         )
     method = str(hf_quant.get("quant_method", "")).lower()
     if requested is not None and requested != method:
@@ -134,6 +161,15 @@ def quant_config_of(hf_quant: dict[str, Any] | None, requested: str | None) -> Q
         return _fp8_config(hf_quant)
     if method == "compressed-tensors":
         return _compressed_tensors_config(hf_quant)
+    if method == "gptq":
+        return _gptq_config(hf_quant)
+    if method == "awq":
+        return _awq_config(hf_quant)
+    if method == "int4":
+        raise UnsupportedModelError(
+            "quant_method 'int4' is the online scheme (--quantization int4 of an unquantized "
+            f"checkpoint), not a checkpoint format; {_SUPPORTED_TEXT}"
+        )
     if method in KNOWN_METHODS:
         check_method_name(method)
     raise UnsupportedModelError(
@@ -180,7 +216,7 @@ def _compressed_tensors_config(hf_quant: dict[str, Any]) -> QuantConfig:
             f"compressed-tensors config groups with different schemes are not supported: "
             f"{sorted(map(str, schemes))}"
         )
-    strategy, block, static_input = schemes.pop()
+    strategy, block, static_input, group_size = schemes.pop()
     return QuantConfig(
         "compressed-tensors",
         strategy,
@@ -188,24 +224,96 @@ def _compressed_tensors_config(hf_quant: dict[str, Any]) -> QuantConfig:
         "weight_scale",
         static_input,
         tuple(hf_quant.get("ignore") or ()),
+        group_size=group_size,
+    )
+
+
+def _group_size_of(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 8:
+        raise UnsupportedModelError(
+            f"{where} group_size {value!r} is not supported (a positive multiple of 8, e.g. 128; "
+            "per-channel -1 is not supported yet)"
+        )
+    return value
+
+
+def _int4_group_scheme(name: str, group: dict[str, Any]) -> tuple[str, None, bool, int]:
+    """A compressed-tensors pack-quantized (w4a16) group, or refuse it."""
+    weights = group.get("weights") or {}
+    if (
+        weights.get("type") != "int"
+        or weights.get("num_bits") != 4
+        or not weights.get("symmetric", True)
+        or weights.get("dynamic", False)
+        or weights.get("strategy") != "group"
+        or weights.get("actorder") not in (None, False)
+        or group.get("input_activations") is not None
+    ):
+        raise UnsupportedModelError(
+            f"compressed-tensors pack-quantized weights {weights} in group {name!r} are not "
+            "supported (int, 4 bits, symmetric, strategy group, no actorder, no activation "
+            f"quantization); {_SUPPORTED_TEXT}"
+        )
+    return "group", None, False, _group_size_of(weights.get("group_size"), "compressed-tensors")
+
+
+def _gptq_config(hf_quant: dict[str, Any]) -> QuantConfig:
+    bits = hf_quant.get("bits")
+    fmt = hf_quant.get("checkpoint_format", "gptq")
+    if bits != 4 or fmt != "gptq":
+        raise UnsupportedModelError(
+            f"gptq bits {bits!r} checkpoint_format {fmt!r} is not supported (bits 4, "
+            f"checkpoint_format 'gptq'); {_SUPPORTED_TEXT}"
+        )
+    return QuantConfig(
+        "gptq",
+        "group",
+        scale_name="scales",
+        ignore=tuple(hf_quant.get("modules_to_not_convert") or ()),
+        group_size=_group_size_of(hf_quant.get("group_size"), "gptq"),
+        zero_points=True,
+        desc_act=bool(hf_quant.get("desc_act", False)),
+    )
+
+
+def _awq_config(hf_quant: dict[str, Any]) -> QuantConfig:
+    bits = hf_quant.get("bits", hf_quant.get("w_bit"))
+    version = str(hf_quant.get("version", "gemm")).lower()
+    zero_point = hf_quant.get("zero_point", True)
+    if bits != 4 or version != "gemm" or not zero_point:
+        raise UnsupportedModelError(
+            f"awq bits {bits!r} version {version!r} zero_point {zero_point!r} is not supported "
+            f"(bits 4, version 'gemm', zero_point true); {_SUPPORTED_TEXT}"
+        )
+    size = hf_quant.get("group_size", hf_quant.get("q_group_size"))
+    return QuantConfig(
+        "awq",
+        "group",
+        scale_name="scales",
+        ignore=tuple(hf_quant.get("modules_to_not_convert") or ()),
+        group_size=_group_size_of(size, "awq"),
+        zero_points=True,
     )
 
 
 def _group_scheme(
     hf_quant: dict[str, Any], name: str, group: dict[str, Any]
-) -> tuple[str, tuple[int, int] | None, bool]:
-    """(weight strategy, block, static input scale) of one config group, or refuse it."""
+) -> tuple[str, tuple[int, int] | None, bool, int | None]:
+    """(weight strategy, block, static input scale, INT4 group size or None) of one config
+    group, or refuse it."""
     fmt = group.get("format") or hf_quant.get("format")
-    if fmt != "float-quantized":
-        kind = "INT4 weights (w4a16)" if fmt == "pack-quantized" else f"format {fmt!r}"
+    if fmt not in ("float-quantized", "pack-quantized"):
         raise UnsupportedModelError(
-            f"compressed-tensors {kind} in group {name!r} is not supported yet; {_SUPPORTED_TEXT}"
+            f"compressed-tensors format {fmt!r} in group {name!r} is not supported yet; "
+            f"{_SUPPORTED_TEXT}"
         )
     targets = group.get("targets") or []
     if "Linear" not in targets:
         raise UnsupportedModelError(
             f"compressed-tensors group {name!r} targets {targets}; only 'Linear' is supported"
         )
+    if fmt == "pack-quantized":
+        return _int4_group_scheme(name, group)
     weights = group.get("weights") or {}
     strategy = weights.get("strategy")
     if (
@@ -226,16 +334,16 @@ def _group_scheme(
     )
     acts = group.get("input_activations")
     if acts is None:
-        return strategy, block, False
+        return strategy, block, False, None
     if acts.get("type") != "float" or acts.get("num_bits") != 8:
         raise UnsupportedModelError(
             f"compressed-tensors input_activations {acts} in group {name!r} are not supported"
         )
     if acts.get("dynamic", False):
-        return strategy, block, False
+        return strategy, block, False, None
     if acts.get("strategy") != "tensor" or block is not None:
         raise UnsupportedModelError(
             f"compressed-tensors static input_activations {acts} in group {name!r} are "
             "supported per tensor and with channel or tensor weights only"
         )
-    return strategy, block, True
+    return strategy, block, True, None

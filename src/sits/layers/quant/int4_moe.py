@@ -1,0 +1,139 @@
+"""Sparse MoE block with INT4 weight-only (w4a16) experts: w13 / w2 as packed 4-bit codes with
+float32 group scales and optional zero points.
+
+Invariants:
+- Routing, the router gate (model dtype), counts, health and the fused-kernel routing path are
+  those of `layers.moe.SparseMoeBlock`; only the experts' storage and compute differ.
+- Storage (the layout of `kernels.int4_ref`, per expert): w13 [E, 2I, H / 8] and w2
+  [E, H, I / 8] int32; w13_scale / w2_scale [E, 2I, H / G] / [E, H, I / G] float32; w13_zero /
+  w2_zero uint8 of the scales' shapes (gptq, awq; None: symmetric); w13_g_idx [E, 2, H] /
+  w2_g_idx [E, 1, I] int32 (gptq: checked to be k // G, desc_act experts are refused);
+  w13_shape [E, 2, 2] / w2_shape [E, 1, 2] int64 (compressed-tensors `weight_shape`).
+- The experts run through a backend's `experts_int4` (the seam of the fused w4a16 MoE
+  kernel); a backend without it is replaced by the PyTorch reference (`kernels.moe_ref.TorchMoe`,
+  not CUDA-graph safe), as for FP8 experts.
+- Spare expert slots are not supported with INT4 experts yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.kernels.int4_ref import PACK
+from sits.kernels.moe_ref import TorchMoe
+from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
+from sits.layers.moe_stats import ExpertState
+from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.int4_formats import (
+    LOCAL_OF,
+    Convert,
+    checkpoint_kind,
+    format_of,
+    int4_converter,
+)
+from sits.layers.quant.int4_linear import check_int4_shape, int4_dtypes, int_parameter
+
+
+class Int4SparseMoeBlock(SparseMoeBlock):
+    """`SparseMoeBlock` whose experts hold INT4 weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: MoeConfig,
+        quant: QuantConfig,
+        moe_backend: MoeBackend | None = None,
+    ) -> None:
+        """Raises UnsupportedModelError for shapes the scheme cannot hold, or desc_act."""
+        super().__init__(hidden_size, config, moe_backend)
+        self.quant = quant
+        self.fmt = format_of(quant.method)
+        if quant.desc_act:
+            raise UnsupportedModelError(
+                f"GPTQ desc_act experts are not supported yet ({quant.describe()})"
+            )
+        num_experts, inter = config.num_experts, config.intermediate_size
+        check_int4_shape(
+            quant, hidden_size, [inter, inter], f"experts w13 {2 * inter} x {hidden_size}"
+        )
+        check_int4_shape(quant, inter, [hidden_size], f"experts w2 {hidden_size} x {inter}")
+        for param, rows, cols, parts in (
+            ("w13", 2 * inter, hidden_size, 2),
+            ("w2", hidden_size, inter, 1),
+        ):
+            groups = cols // (quant.group_size or 1)
+            setattr(self, param, int_parameter((num_experts, rows, cols // PACK), torch.int32))
+            scale = nn.Parameter(torch.empty(num_experts, rows, groups), requires_grad=False)
+            setattr(self, f"{param}_scale", scale)
+            zero = int_parameter((num_experts, rows, groups), torch.uint8)
+            setattr(self, f"{param}_zero", zero if quant.zero_points else None)
+            g_idx = int_parameter((num_experts, parts, cols), torch.int32)
+            setattr(self, f"{param}_g_idx", g_idx if self.fmt == "gptq" else None)
+            shape = int_parameter((num_experts, parts, 2), torch.int64)
+            setattr(self, f"{param}_shape", shape if self.fmt == "ct" else None)
+        if not hasattr(self.moe_backend, "experts_int4"):
+            self.moe_backend = TorchMoe()  # the reference: no CUDA graph capture
+
+    def add_spare_slots(self, num_spare: int) -> None:
+        """Only 0 spares: spare slots are not supported with INT4 experts yet.
+
+        Raises:
+            InvalidParameterError: num_spare != 0.
+        """
+        if num_spare != 0:
+            raise InvalidParameterError(
+                "num_spare_experts",
+                f"num_spare_experts={num_spare} is not supported with INT4 experts yet (use 0)",
+            )
+
+    def quant_dtypes(self) -> dict[str, torch.dtype]:
+        """Parameters that keep their own dtype when the model is cast (`quant.apply`)."""
+        return {**int4_dtypes("w13"), **int4_dtypes("w2")}
+
+    def checkpoint_kind(self, local: str) -> str:
+        """The checkpoint tensor kind filling our parameter `local` (for error messages)."""
+        return checkpoint_kind(self.fmt, local.removeprefix("w13").removeprefix("w2"))
+
+    def checkpoint_target(
+        self, expert: int, part: str, kind: str
+    ) -> tuple[str, tuple[int | slice, ...], Convert | None] | None:
+        """Where expert `expert`'s checkpoint tensor `<part>.<kind>` goes: (our parameter's
+        local name, index, check/convert), or None when there is no such tensor.
+
+        part: "gate", "up" or "down"; kind: a kind of the format (`int4_formats.LOCAL_OF`).
+        """
+        if expert >= self.config.num_experts or kind not in LOCAL_OF[self.fmt]:
+            return None
+        inter, hidden = self.config.intermediate_size, self.w2.shape[1]
+        if part == "down":
+            param, slot, rows, num_cols = "w2", 0, slice(0, hidden), inter
+        else:
+            param, slot, num_cols = "w13", int(part == "up"), hidden
+            rows = slice(slot * inter, (slot + 1) * inter)
+        local = param + LOCAL_OF[self.fmt][kind]
+        if getattr(self, local) is None:
+            return None
+        convert = int4_converter(
+            self.fmt, kind, rows.stop - rows.start, num_cols, self.quant.group_size or 0
+        )
+        per_part = local.endswith(("_g_idx", "_shape"))
+        return local, (expert, slot) if per_part else (expert, rows), convert
+
+    def _run_experts(
+        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, state: ExpertState
+    ) -> Tensor:
+        """The INT4 experts on topk_ids [T, k] -> [T, hidden_size] (no spare slots here)."""
+        return self.moe_backend.experts_int4(
+            hidden,
+            (self.w13, self.w13_scale, self.w13_zero),
+            (self.w2, self.w2_scale, self.w2_zero),
+            self.quant.group_size,
+            topk_weights,
+            topk_ids,
+            state.anomalous,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.config}, {self.quant.describe()}"
