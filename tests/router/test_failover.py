@@ -77,15 +77,15 @@ def test_engine_dead_and_no_first_byte_are_retried(behaviour: str) -> None:
         app = _router([bad_url], first_byte_timeout_s=0.5)
         with serve(app) as router_url, httpx.Client(base_url=router_url, timeout=30) as client:
             app.state.router.registry.add_static(ok_url)
-            bad_replica = app.state.router.registry.get(bad_url)
-            for _ in range(2):  # bad sorts first or not: ask until it has been tried
-                bad_replica.inflight = -100  # make it the least loaded
+            ok_replica = app.state.router.registry.get(ok_url)
+            for _ in range(2):
+                ok_replica.inflight = 100  # the bad one looks idler: it is tried first
                 response = client.post("/v1/completions", json={**BODY, "stream": True})
                 assert response.status_code == 200
                 events = _events(response.text)
                 assert events[-1] == "[DONE]"
                 assert all("error" not in e for e in events)
-                bad_replica.inflight = 0
+                wait_until(lambda r=ok_replica: r.inflight == 100, "the stream accounted")
     assert len(bad.seen) == 2
     assert len(ok.seen) == 2
 

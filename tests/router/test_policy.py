@@ -46,11 +46,13 @@ def test_load_score_formula() -> None:
         + _replicas(a=ReplicaLoad(kv_cache_usage=0.25, overload_state="red"))[:1]
     )
     assert load_score(idle) == 0.0
-    assert load_score(busy) == 3 + 2 / 4 + 0.5
-    assert load_score(yellow) == 4 / 4 + 1
-    assert load_score(red) == 0.25 + 4
-    busy.inflight = 2  # the router's own in-flight requests count as running
-    assert load_score(busy) == 3 + 4 / 4 + 0.5
+    assert load_score(busy) == 3 + 2 + 0.5
+    assert load_score(yellow) == 4 + 0.25 * 4
+    assert load_score(red) == 0.25 + 1.0 * 4
+    busy.inflight = 2  # the router's own requests, already in the heartbeat's running
+    assert load_score(busy) == 3 + 2 + 0.5
+    busy.inflight = 5  # more than the last heartbeat knew of: the fresher count wins
+    assert load_score(busy) == 3 + 5 + 0.5
 
 
 def test_prefix_key_hashes_whole_blocks_per_tenant() -> None:

@@ -66,8 +66,8 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--load-bound", type=float, default=DEFAULT_LOAD_BOUND, metavar="B",
-        help="how much more loaded (waiting + running/capacity + KV use + overload) the "
-        "prefix-affine replica may be than the least loaded one (default %(default)g)",
+        help="how many requests more (waiting + running + KV use + overload) the "
+        "prefix-affine replica may have than the least loaded one (default %(default)g)",
     )  # fmt: skip
     p.add_argument(
         "--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS, metavar="N",

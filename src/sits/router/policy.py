@@ -23,7 +23,8 @@ from sits.core.errors import InvalidParameterError
 from sits.router.registry import Replica
 
 # Added to a replica's load score per overload state: yellow defers borrowing work, red sheds.
-OVERLOAD_PENALTY = {"green": 0.0, "yellow": 1.0, "red": 4.0}
+# Share of a replica's capacity its overload state weighs, in requests.
+OVERLOAD_PENALTY = {"green": 0.0, "yellow": 0.25, "red": 1.0}
 
 
 class RouteReason(StrEnum):
@@ -46,23 +47,24 @@ class RouteChoice:
 
 
 def load_score(replica: Replica) -> float:
-    """How busy a replica is (0 = idle; higher = busier), from its last heartbeat and the
-    requests the router has in flight to it:
+    """How busy a replica is, in requests (0 = idle; higher = busier), from its last heartbeat
+    and the requests the router has in flight to it:
 
-        num_waiting + (num_running + inflight) / capacity + kv_cache_usage + penalty
+        num_waiting + max(num_running, inflight) + kv_cache_usage + penalty x capacity
 
-    with penalty 0 (green), 1 (yellow) or 4 (red). A queued request weighs as much as a full
-    batch (it waits for a slot); `inflight` spreads a burst that arrives between heartbeats
-    (it double-counts the router's requests already in `num_running` until the next heartbeat,
-    which errs towards spreading).
+    with penalty 0 (green), 0.25 (yellow) or 1 (red): a red replica weighs as if a whole batch
+    more were queued. Counting requests is the least-request balancing of proxies such as
+    Envoy's LEAST_REQUEST; `inflight` is the router's own count, fresh at every request, while
+    the heartbeat's `num_running` (which includes them and other clients' requests) is up to one
+    heartbeat old, so the larger of the two counts. KV use (0..1) separates replicas that run
+    as many requests.
     """
     load = replica.load
-    running = load.num_running + replica.inflight
     return (
         load.num_waiting
-        + running / max(1, replica.capacity)
+        + max(load.num_running, replica.inflight)
         + load.kv_cache_usage
-        + OVERLOAD_PENALTY[load.overload_state]
+        + OVERLOAD_PENALTY[load.overload_state] * replica.capacity
     )
 
 
