@@ -250,6 +250,19 @@ def complete(
     return http.post(f"{router_url}/v1/completions", json=body, headers=headers)
 
 
+def sse_lines(texts: Iterator[str]) -> Iterator[str]:
+    """The lines of an event stream, split at newlines only, as the SSE spec and the `openai`
+    client split them: httpx's `iter_lines` also splits at U+2028, U+0085 and the like, which
+    JSON carries unescaped inside a token's text (a random model's output holds them)."""
+    buffer = ""
+    for text in texts:
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        yield from (line.removesuffix("\r") for line in lines)
+    if buffer:
+        yield buffer
+
+
 class StreamCall(threading.Thread):
     """One streamed completion through the router, read in a thread.
 
@@ -289,7 +302,7 @@ class StreamCall(threading.Thread):
                 if resp.status_code != 200:
                     self.frames.append(resp.read().decode())
                     return
-                for line in resp.iter_lines():
+                for line in sse_lines(resp.iter_text()):
                     if line.startswith("data: "):
                         self.frames.append(line[len("data: ") :])
                         self.first.set()
