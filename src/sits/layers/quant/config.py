@@ -32,7 +32,7 @@ from typing import Any
 
 from sits.config import IMPLEMENTED_QUANTIZATION as IMPLEMENTED_METHODS
 from sits.config import QUANTIZATION_METHODS as KNOWN_METHODS
-from sits.core.errors import UnsupportedModelError
+from sits.core.errors import InvalidParameterError, UnsupportedModelError
 
 _SUPPORTED_TEXT = (
     "supported: fp8 (block-scaled `weight_block_size`, or per-tensor), compressed-tensors "
@@ -347,3 +347,20 @@ def _group_scheme(
             "supported per tensor and with channel or tensor weights only"
         )
     return strategy, block, True, None
+
+
+def refuse_spare_slots(num_spare: int, experts: str) -> None:
+    """Quantized experts take no spare slots yet: only `num_spare == 0` passes.
+
+    Args:
+        num_spare: spare expert slots asked for (`--num-spare-experts`).
+        experts: the experts' kind in the message ("FP8", "INT4").
+
+    Raises:
+        InvalidParameterError: num_spare != 0.
+    """
+    if num_spare != 0:
+        raise InvalidParameterError(
+            "num_spare_experts",
+            f"num_spare_experts={num_spare} is not supported with {experts} experts yet (use 0)",
+        )

@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.core.errors import UnsupportedModelError
 from sits.kernels.fp8_ref import FP8_DTYPE
 from sits.kernels.moe_ref import TorchMoe
 from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
 from sits.layers.moe_stats import ExpertState
-from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.config import QuantConfig, refuse_spare_slots
 from sits.layers.quant.fp8_linear import (
     Convert,
     check_fp8,
@@ -87,11 +87,7 @@ class Fp8SparseMoeBlock(SparseMoeBlock):
         Raises:
             InvalidParameterError: num_spare != 0.
         """
-        if num_spare != 0:
-            raise InvalidParameterError(
-                "num_spare_experts",
-                f"num_spare_experts={num_spare} is not supported with FP8 experts yet (use 0)",
-            )
+        refuse_spare_slots(num_spare, "FP8")
 
     def quant_dtypes(self) -> dict[str, torch.dtype]:
         """Parameters that keep their own dtype when the model is cast (`quant.apply`)."""

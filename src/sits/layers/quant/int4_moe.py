@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.core.errors import UnsupportedModelError
 from sits.kernels.int4_ref import PACK
 from sits.kernels.moe_ref import TorchMoe
 from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
 from sits.layers.moe_stats import ExpertState
-from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.config import QuantConfig, refuse_spare_slots
 from sits.layers.quant.int4_formats import (
     LOCAL_OF,
     Convert,
@@ -82,11 +82,7 @@ class Int4SparseMoeBlock(SparseMoeBlock):
         Raises:
             InvalidParameterError: num_spare != 0.
         """
-        if num_spare != 0:
-            raise InvalidParameterError(
-                "num_spare_experts",
-                f"num_spare_experts={num_spare} is not supported with INT4 experts yet (use 0)",
-            )
+        refuse_spare_slots(num_spare, "INT4")
 
     def quant_dtypes(self) -> dict[str, torch.dtype]:
         """Parameters that keep their own dtype when the model is cast (`quant.apply`)."""
