@@ -64,6 +64,7 @@ from sits.layers.quant.apply import (
 )
 from sits.layers.quant.config import QuantConfig, quant_config_of
 from sits.models.dummy import fill_dummy_, init_dummy_weights, read_dummy_seed
+from sits.models.dummy_quant import init_dummy_quantized
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
 
@@ -211,8 +212,8 @@ def load_model(
     if load_format == "auto":
         dummy_seed = read_dummy_seed(model_dir)
     if dummy_seed is not None and is_quantized(model):
-        raise UnsupportedModelError("dummy weights are not supported for quantized models yet")
-    if dummy_seed is not None:
+        init_dummy_quantized(model, dtype, dummy_seed)
+    elif dummy_seed is not None:
         init_dummy_weights(model, dummy_seed)
         for name, block in spare_blocks.items():  # the values of a load without spares
             num_experts = block.config.num_experts
