@@ -62,4 +62,3 @@ def init_dummy_quantized(
     for name, param in model.named_parameters():
         if name not in filled:
             fill_dummy_(param.data, name, seed, std)
-

@@ -147,9 +147,7 @@ def quantize_experts_(block: torch.nn.Module, w13: Tensor, w2: Tensor) -> None:
         _refuse_static_input_scales(block)
         for expert in range(num_experts):
             for name, tensor, parts in (("w13", w13, (inter, inter)), ("w2", w2, (hidden,))):
-                values, scale = _fp8_rows(
-                    tensor[expert], parts, block.quant.strategy, block.block
-                )
+                values, scale = _fp8_rows(tensor[expert], parts, block.quant.strategy, block.block)
                 getattr(block, name)[expert].copy_(values)
                 getattr(block, f"{name}_scale")[expert].copy_(scale)
         return
@@ -157,7 +155,7 @@ def quantize_experts_(block: torch.nn.Module, w13: Tensor, w2: Tensor) -> None:
     for expert in range(num_experts):
         for name, tensor, parts in (("w13", w13, (inter, inter)), ("w2", w2, (hidden,))):
 
-            def target(suffix: str, name: str = name) -> Tensor | None:
+            def target(suffix: str, name: str = name, expert: int = expert) -> Tensor | None:
                 param = getattr(block, f"{name}{suffix}")
                 return None if param is None else param[expert]
 
