@@ -96,6 +96,11 @@ class EngineConfig:
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically
             (`sits.layers.expert_slots`); ignored for dense models.
+        precision_switch: None (the default: one weight set) or "fp8" / "int4": keep a
+            low-precision twin of the model-dtype weights resident too (online quantization
+            of an unquantized checkpoint, `sits.models.precision_twin`) and let the operator
+            switch which set runs between two steps (`AsyncLLM.set_precision`). Refused with
+            `quantization` set (the checkpoint's own scheme is checked at load).
     """
 
     model: str
@@ -120,6 +125,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     num_spare_experts: int = 0
     quantization: str | None = None
+    precision_switch: str | None = None
     tpot_pacing_fraction: float = 0.9
     tpot_pacing_min_prefill_tokens: int = 0
 
@@ -151,6 +157,8 @@ class EngineConfig:
             )
         if self.quantization is not None:
             _check_quantization(self.quantization)
+        if self.precision_switch is not None:
+            _check_precision_switch(self.precision_switch, self.quantization)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
         if not 0 <= self.tpot_pacing_min_prefill_tokens <= self.max_num_batched_tokens:
@@ -178,6 +186,29 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+PRECISION_SWITCH_SCHEMES = ("fp8", "int4")
+
+
+def _check_precision_switch(scheme: str, quantization: str | None) -> None:
+    """Refuse a `precision_switch` that is not an online scheme, or one given together with
+    `quantization` (the switch needs the model-dtype weights).
+
+    Raises:
+        InvalidParameterError: as said.
+    """
+    if scheme not in PRECISION_SWITCH_SCHEMES:
+        raise InvalidParameterError(
+            "precision_switch",
+            f"precision_switch must be one of {PRECISION_SWITCH_SCHEMES}, got {scheme!r}",
+        )
+    if quantization is not None:
+        raise InvalidParameterError(
+            "precision_switch",
+            f"precision_switch {scheme!r} keeps the model-dtype weights beside their {scheme} "
+            f"twin and cannot be combined with quantization {quantization!r}",
+        )
 
 
 def _check_quantization(name: str) -> None:

@@ -118,6 +118,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "int4 (online symmetric INT4, group 128, of a bf16/fp32 one)",
     )
     parser.add_argument(
+        "--precision-switch",
+        choices=("fp8", "int4"),
+        default=None,
+        help="keep an fp8 or int4 twin of the weights resident beside the model-dtype ones "
+        "(online quantization of an unquantized checkpoint; both sets' memory is counted "
+        "before the KV cache) and switch between them while serving (POST "
+        "/v1/admin/precision); not with --quantization",
+    )
+    parser.add_argument(
         "--tpot-pacing-fraction",
         type=float,
         default=0.9,
@@ -157,6 +166,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,
         "quantization": args.quantization,
+        "precision_switch": args.precision_switch,
         "tpot_pacing_fraction": args.tpot_pacing_fraction,
         "tpot_pacing_min_prefill_tokens": args.tpot_pacing_min_prefill_tokens,
     }
