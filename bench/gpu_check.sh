@@ -61,6 +61,13 @@
 #            of full-batch steps per size (~4 min)
 #   mixed    mixed-step CUDA graphs (on by default): their GPU tests, then qwen3-30b-a3b
 #            offline 256 x 512/128 and 2048-token TTFT without (--no-...) and with them
+#   quant_kernels  the GPU and interpreter tests of the FP8 / INT4 kernels and their
+#            micro-benchmarks (FP8 GEMM, fused FP8 MoE, w4a16 GEMM and MoE when present)
+#   fp8_tune the FP8 GEMM tuner (bench/kernels/fp8_gemm_tune.py); JSON configs to
+#            $OUT_DIR/fp8_configs (FP8_TUNE_TOKENS: the token counts, default 1,16,64,256,1024,4096)
+#   quant    issue-25 end-to-end figures, each quantized run beside bf16 in the same call:
+#            qwen3-30b-a3b FP8 / INT4 batch 1 and batch 10 latency, 256 x 512/128 offline, and
+#            llama-3.1-8b FP8 weights + fp8 KV 1000 x 1000/1000 (QUANT_SKIP_LLAMA=1 skips it)
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -306,6 +313,44 @@ if has qos || has qos_fcfs; then
     echo "TCP drops after $mode: $(tcp_drops)"
     unset SITS_STEP_SHAPES_FILE SITS_PROFILE_STEPS SITS_PROFILE_FILE
   done
+fi
+if has quant_kernels; then
+  qk=(tests/kernels/test_fp8_gemm_triton.py tests/kernels/test_fp8_gemm_triton_gpu.py)
+  for f in tests/kernels/test_moe_fp8_triton*.py tests/kernels/test_w4a16*.py \
+    tests/kernels/test_moe_int4_triton*.py; do [[ -e $f ]] && qk+=("$f"); done
+  run quant_kernel_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+    -m "gpu or not gpu" "${qk[@]}"
+  run fp8_gemm_bench python3 bench/kernels/fp8_gemm_bench.py
+  for b in moe_fp8_bench w4a16_bench; do
+    [[ -e bench/kernels/$b.py ]] && run "$b" python3 bench/kernels/$b.py
+  done
+fi
+if has fp8_tune; then
+  run fp8_tune python3 bench/kernels/fp8_gemm_tune.py --out-dir "$OUT_DIR/fp8_configs" \
+    --tokens "${FP8_TUNE_TOKENS:-1,16,64,256,1024,4096}"
+fi
+if has quant; then
+  for q in bf16 fp8 int4; do
+    qflag=(); [[ $q != bf16 ]] && qflag=(--quantization "$q")
+    run "quant_qwen3_b1_$q" sits bench latency --random-weights qwen3-30b-a3b "${qflag[@]}" \
+      --batch-size 1 --input-len 512 --output-len 256 --num-iters 3 --num-iters-warmup 1 \
+      --output-json "$OUT_DIR/quant_qwen3_b1_$q.json"
+    [[ $q == int4 ]] && continue
+    run "quant_qwen3_b10_$q" sits bench latency --random-weights qwen3-30b-a3b "${qflag[@]}" \
+      --batch-size 10 --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
+      --output-json "$OUT_DIR/quant_qwen3_b10_$q.json"
+    run "quant_qwen3_offline_$q" sits bench throughput --random-weights qwen3-30b-a3b \
+      "${qflag[@]}" --input-len 512 --output-len 128 --num-prompts 256 \
+      --max-num-batched-tokens 8192 --output-json "$OUT_DIR/quant_qwen3_offline_$q.json"
+  done
+  if [[ -z "${QUANT_SKIP_LLAMA:-}" ]]; then
+    run quant_llama_bf16 sits bench throughput --random-weights llama-3.1-8b \
+      --input-len 1000 --output-len 1000 --num-prompts 1000 ${TARGET_FLAGS:-} \
+      --output-json "$OUT_DIR/quant_llama_bf16.json"
+    run quant_llama_fp8 sits bench throughput --random-weights llama-3.1-8b --quantization fp8 \
+      --kv-cache-dtype fp8 --input-len 1000 --output-len 1000 --num-prompts 1000 \
+      --max-num-seqs 1024 ${TARGET_FLAGS:-} --output-json "$OUT_DIR/quant_llama_fp8.json"
+  fi
 fi
 if has replay; then
   shapes=("$OUT_DIR"/steps-*.jsonl)
