@@ -159,6 +159,12 @@ class EngineConfig:
             _check_quantization(self.quantization)
         if self.precision_switch is not None:
             _check_precision_switch(self.precision_switch, self.quantization)
+            if self.num_spare_experts:
+                raise InvalidParameterError(
+                    "precision_switch",
+                    "precision_switch cannot be combined with num_spare_experts (an expert "
+                    "restored into a spare slot would leave the low-precision twin stale)",
+                )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidParameterError("max_model_len", "max_model_len must be >= 1")
         if not 0 <= self.tpot_pacing_min_prefill_tokens <= self.max_num_batched_tokens:

@@ -41,3 +41,32 @@ class ModelNotFoundError(SitsError, FileNotFoundError):
 
 class EngineDeadError(SitsError, RuntimeError):
     """The engine loop has died; no request can be served until the process restarts."""
+
+
+class PrecisionSwitchMemoryError(InvalidParameterError):
+    """The two weight sets of `EngineConfig.precision_switch` and a minimal KV cache do not fit
+    the device memory budget.
+
+    Attributes:
+        full_bytes: bytes of the model-dtype weights.
+        twin_bytes: bytes the low-precision twin's own (quantized) weights need.
+        min_kv_bytes: bytes of the smallest KV cache the engine starts with (one sequence of
+            max_model_len tokens, and the null block).
+        budget_bytes: memory left for the twin and the KV cache once the full model is loaded.
+    """
+
+    def __init__(
+        self, scheme: str, full_bytes: int, twin_bytes: int, min_kv_bytes: int, budget_bytes: int
+    ) -> None:
+        super().__init__(
+            "precision_switch",
+            f"precision_switch {scheme!r} needs {twin_bytes} bytes for the {scheme} weights "
+            f"beside the {full_bytes} bytes of the model-dtype weights, plus {min_kv_bytes} "
+            f"bytes for a minimal KV cache, but only {budget_bytes} bytes are left after the "
+            "model-dtype weights (raise gpu_memory_utilization, lower max_model_len, or drop "
+            "the switch)",
+        )
+        self.full_bytes = full_bytes
+        self.twin_bytes = twin_bytes
+        self.min_kv_bytes = min_kv_bytes
+        self.budget_bytes = budget_bytes

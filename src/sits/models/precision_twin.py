@@ -79,6 +79,20 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def check_unquantized(full: nn.Module) -> None:
+    """Refuse a model whose checkpoint is already quantized.
+
+    Raises:
+        InvalidParameterError: it is ("precision_switch"), naming its scheme.
+    """
+    if is_quantized(full):
+        raise InvalidParameterError(
+            "precision_switch",
+            f"the checkpoint is already quantized ({model_quant_config(full).describe()}); "
+            "the precision switch needs model-dtype weights",
+        )
+
+
 def build_twin(
     full: DecoderForCausalLM, twin: DecoderForCausalLM, device: torch.device
 ) -> DecoderForCausalLM:
@@ -95,12 +109,7 @@ def build_twin(
     Raises:
         InvalidParameterError: `full` is already quantized (there is nothing to switch from).
     """
-    if is_quantized(full):
-        raise InvalidParameterError(
-            "precision_switch",
-            f"the checkpoint is already quantized ({model_quant_config(full).describe()}); "
-            "the precision switch needs model-dtype weights",
-        )
+    check_unquantized(full)
     quant = model_quant_config(twin)
     assert quant is not None and quant.online, "the twin is built by meta_twin"
     full_modules = dict(full.named_modules())

@@ -94,6 +94,7 @@ class _GraphSet:
 
     Attributes:
         num_replays: replays so far (steps served by these graphs).
+        pool: the graphs' memory pool once captured (None before).
     """
 
     kind = "CUDA"  # named in the capture log line
@@ -114,6 +115,7 @@ class _GraphSet:
         self.num_replays = 0
         self._graphs: dict[int, _Graph] = {}
         self._sizes: list[int] = []
+        self.pool: object = None  # the graphs' memory pool, once captured
 
     def _padded(self, n: int) -> int | None:
         return _smallest_at_least(self._sizes, n)
@@ -132,20 +134,26 @@ class _GraphSet:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> float:
+    def capture(self, sizes: list[int], pool: object = None) -> float:
         """Capture one graph per size, largest first, in one memory pool.
+
+        Args:
+            sizes: the sizes to capture.
+            pool: the memory pool to capture into (`pool` of another set whose graphs are
+                never replayed at the same time, e.g. the other weight set's of the precision
+                switch); None: a new one.
 
         Returns:
             Seconds the capture took.
         """
         start = time.perf_counter()
-        pool = None
         for size in sorted(sizes, reverse=True):
             inputs, attention = self._inputs_and_attention(size)
             self._graphs[size] = _capture(self.model, inputs, self.kv_caches, attention, pool)
             pool = self._graphs[size].graph.pool()
         torch.cuda.synchronize()
         self._sizes = sorted(self._graphs)
+        self.pool = pool
         elapsed = time.perf_counter() - start
         logger.info("captured %d %s graphs in %.1f s", len(self._sizes), self.kind, elapsed)
         return elapsed

@@ -13,6 +13,10 @@ the graph of its token bucket; everything else (the CPU, steps over the largest 
 eagerly. On CUDA
 the setup first runs eager dummy steps of every prefill shape class (`runner.warmup`), so no
 live step waits for a Triton compile.
+
+With `precision_switch` the runner holds two weight sets (`runner.precision`): `models` maps
+each name to its model, each with its own warm-up and CUDA graphs over the one KV cache;
+`set_precision` (between steps) picks the set the next steps run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError
 from sits.core.outputs import TokenLogprobs
 from sits.core.plan import (
     PLACEHOLDER_TOKEN_ID,
@@ -53,6 +58,7 @@ from sits.runner.kv_cache_alloc import (
     num_kv_blocks,
 )
 from sits.runner.model_info import ModelInfo
+from sits.runner.precision import load_twin, memory_budget_bytes, precision_name
 from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
 from sits.sampling.batch import has_penalties
@@ -100,6 +106,9 @@ class ModelRunner:
 
     Attributes:
         device, dtype: where and in which dtype the model runs.
+        models: weight set name -> model: the model dtype's ("bf16", "fp16", "fp32") and,
+            with `config.precision_switch`, its "fp8" or "int4" twin.
+        precision: the name of the set the steps run (`set_precision`); `model` is its model.
         num_blocks: KV blocks allocated.
         kv_cache_dtype: "auto" (model dtype), "fp8" or "int8" (config.kv_cache_dtype).
         kv_bytes_per_block: bytes one block takes across layers (data and int8 scales).
@@ -142,6 +151,22 @@ class ModelRunner:
         )
         fixed_bytes = kv_fixed_bytes(arch.num_layers, arch.num_kv_heads, self.kv_cache_dtype)
         self.kv_bytes_per_block = bytes_per_block
+        self.precision = precision_name(self.dtype)
+        self.models = {self.precision: self.model}
+        if config.precision_switch is not None:
+            min_kv_blocks = -(-info.max_model_len // self.block_size) + 1  # and the null block
+            self.models[config.precision_switch] = load_twin(
+                self.model,
+                info.model_dir,
+                config.precision_switch,
+                moe_backend=select_moe_backend(self.device),
+                min_kv_bytes=config.kv_cache_memory_bytes
+                or max(min_kv_blocks, 2) * bytes_per_block + fixed_bytes,
+                budget_bytes=memory_budget_bytes(
+                    self.device,
+                    None if config.kv_cache_memory_bytes else config.gpu_memory_utilization,
+                ),
+            )
         self.num_blocks = num_kv_blocks(
             bytes_per_block=bytes_per_block,
             device=self.device,
@@ -202,7 +227,8 @@ class ModelRunner:
     ) -> None:
         """Pick the attention backend, make the persistent input buffers, warm up the kernels
         (`warm_up`, None = on CUDA) and, when the model and backend allow it and
-        `enforce_eager` is off, capture the decode CUDA graphs."""
+        `enforce_eager` is off, capture the decode CUDA graphs: for each weight set, the
+        other set's graphs sharing the memory pools."""
         self.attn_backend = select_attention_backend(self.device, head_dim, self.kv_cache_dtype)
         self.buffers = InputBuffers(
             max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
@@ -216,30 +242,21 @@ class ModelRunner:
             warm_up = self.device.type == "cuda"  # on the CPU nothing is compiled
         if warm_up:
             # No request owns a block yet: the dummy steps' KV writes land in free blocks.
-            self.warmup = warm_up_kernels(
-                self.model,
-                self.buffers,
-                self.kv_caches,
-                self.attn_backend,
-                max_model_len=self.info.max_model_len,
-            )
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
-        if not config.enforce_eager and graph_safe(self.model, self.attn_backend):
-            self.graphs = DecodeGraphs(
-                self.model, self.buffers, self.kv_caches, num_kv_heads, head_dim
-            )
-            self.graphs.capture(graph_batch_sizes(config.max_num_seqs))
-            if config.mixed_step_cuda_graphs:
-                self.mixed_graphs = MixedGraphs(
-                    self.model,
+            for model in reversed(self.models.values()):  # the model dtype's report is kept
+                self.warmup = warm_up_kernels(
+                    model,
                     self.buffers,
                     self.kv_caches,
-                    num_kv_heads,
-                    head_dim,
-                    config.max_num_seqs,
+                    self.attn_backend,
+                    max_model_len=self.info.max_model_len,
                 )
-                self.mixed_graphs.capture(mixed_token_buckets(self.buffers.max_num_tokens))
+        self._graph_sets: dict[str, tuple[DecodeGraphs | None, MixedGraphs | None]] = {}
+        pools: tuple[object, object] = (None, None)
+        for name, model in self.models.items():
+            graphs = self._capture_graphs(config, model, num_kv_heads, head_dim, pools)
+            self._graph_sets[name] = graphs
+            pools = tuple(g.pool if g is not None else p for g, p in zip(graphs, pools))
+        self.graphs, self.mixed_graphs = self._graph_sets[self.precision]
         logger.info(
             "attention %s, MoE %s, decode CUDA graphs: %s, mixed-step CUDA graphs: %s",
             type(self.attn_backend).__name__,
@@ -247,6 +264,46 @@ class ModelRunner:
             self.graphs.batch_sizes if self.graphs else "off",
             self.mixed_graphs.token_buckets if self.mixed_graphs else "off",
         )
+
+    def _capture_graphs(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        num_kv_heads: int,
+        head_dim: int,
+        pools: tuple[object, object],
+    ) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
+        """One weight set's (decode graphs, mixed-step graphs), each None when not captured
+        (`enforce_eager`, a model or backend that is not graph safe, mixed graphs off);
+        captured into `pools` (decode, mixed; None: new ones)."""
+        if config.enforce_eager or not graph_safe(model, self.attn_backend):
+            return None, None
+        graphs = DecodeGraphs(model, self.buffers, self.kv_caches, num_kv_heads, head_dim)
+        graphs.capture(graph_batch_sizes(config.max_num_seqs), pools[0])
+        if not config.mixed_step_cuda_graphs:
+            return graphs, None
+        mixed = MixedGraphs(
+            model, self.buffers, self.kv_caches, num_kv_heads, head_dim, config.max_num_seqs
+        )
+        mixed.capture(mixed_token_buckets(self.buffers.max_num_tokens), pools[1])
+        return graphs, mixed
+
+    def set_precision(self, name: str) -> None:
+        """Run the weight set `name` from the next step on (call between steps only: a step
+        already launched finishes on the weights it started with). The KV cache, the input
+        buffers and every request's state are untouched.
+
+        Raises:
+            InvalidParameterError: `name` is not one of `models` ("precision").
+        """
+        if name not in self.models:
+            raise InvalidParameterError(
+                "precision",
+                f"unknown precision {name!r}; this engine has {', '.join(self.models)}",
+            )
+        self.precision = name
+        self.model = self.models[name]
+        self.graphs, self.mixed_graphs = self._graph_sets[name]
 
     @property
     def step_token_buckets(self) -> tuple[int, ...]:
