@@ -51,6 +51,19 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 @triton.jit
+def scale_to_fp8(x, scale, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """x / scale (float32, broadcast) clamped to +-FP8_MAX, ready to cast to float8_e4m3fn;
+    when EXACT_ROUND (interpreter only), rounded to the e4m3 grid (nearest even) first."""
+    v = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    if EXACT_ROUND:
+        exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        step_exponent = tl.maximum(exponent, 127 - 6) - 3  # 3 mantissa bits; subnormals 2^-9
+        step = (step_exponent << 23).to(tl.float32, bitcast=True)
+        v = ((v / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: round half to even
+    return v
+
+
+@triton.jit
 def quant_fp8_group_kernel(
     x_ptr,
     q_ptr,
@@ -72,12 +85,7 @@ def quant_fp8_group_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)  # torch's rounding
-    v = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-    if EXACT_ROUND:  # interpreter only: round to the e4m3 grid (nearest even) in float32
-        exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        step_exponent = tl.maximum(exponent, 127 - 6) - 3  # 3 mantissa bits; subnormals 2^-9
-        step = (step_exponent << 23).to(tl.float32, bitcast=True)
-        v = ((v / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: round half to even
+    v = scale_to_fp8(x, scale, FP8_MAX, EXACT_ROUND)
     tl.store(q_ptr + row * stride_q + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_scale + group, scale)
 

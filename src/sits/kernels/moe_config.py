@@ -1,7 +1,8 @@
 """Launch configurations of the fused MoE kernels, per token count, from tuned JSON files.
 
 A file `configs/moe_E{E}_N{N}_{dtype}_{gpu}.json` beside this module (E experts, N the expert
-width I, dtype bf16/fp16/fp32, gpu the CUDA device name with spaces as underscores, e.g.
+width I, dtype bf16/fp16/fp32 or fp8_w8a8 (the FP8 experts of `moe_fp8_triton`, keyed by
+`torch.float8_e4m3fn`), gpu the CUDA device name with spaces as underscores, e.g.
 `moe_E128_N768_bf16_NVIDIA_H200.json`) maps token counts (string keys, "1" ... "8192") to a
 config. An entry is either flat (one shape for both GEMMs)
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
@@ -10,7 +11,8 @@ or split per GEMM (BLOCK_M is shared: the alignment pads every expert to it)
 
 Invariants:
 - A step with T tokens uses the entry of the smallest key >= T (the largest key when T is
-  larger than all); without a file, `default_config` (a heuristic on rows per expert).
+  larger than all); without a file, `default_config` (a heuristic on rows per expert; for
+  fp8_w8a8 with BLOCK_K 128, one K step per activation group and weight scale block).
 - Files are read when first needed, never at import; `MoeConfigStore` caches them per instance.
 - `bench/kernels/moe_tune.py` writes these files; SITS_MOE_CONFIG_DIR points the engine at
   another directory of them (e.g. to compare two configs on the same workload).
@@ -30,7 +32,12 @@ from sits.core.errors import InvalidParameterError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_DIR_ENV = "SITS_MOE_CONFIG_DIR"  # another directory of tuned files (A/B of configs)
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8_w8a8",  # FP8 weights and activations (vLLM's dtype=fp8_w8a8)
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,20 +132,25 @@ class MoeLaunchConfig:
         return cls(int(entry["BLOCK_M"]), gemm1, gemm2)
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoeLaunchConfig:
+def default_config(
+    num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype | None = None
+) -> MoeLaunchConfig:
     """Heuristic when no tuned file exists, by the mean rows per expert (T * k / E).
 
     Few rows (decode): BLOCK_M 16 and narrow column tiles, so that many programs stream the
     touched experts' weights; many rows (prefill): 128 x 128 tiles for the tensor cores.
+    dtype float8_e4m3fn (fp8_w8a8): BLOCK_K 128 throughout (128 one-byte elements per row
+    step, and it divides the 128-wide activation groups and weight scale blocks).
     """
+    wide_k = 128 if dtype == torch.float8_e4m3fn else 64
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
     if rows_per_expert <= 16:
         narrow = GemmConfig(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
         return MoeLaunchConfig(16, narrow, narrow)
     if rows_per_expert <= 96:
-        mid = GemmConfig(block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+        mid = GemmConfig(block_n=64, block_k=wide_k, group_m=8, num_warps=4, num_stages=4)
         return MoeLaunchConfig(64, mid, mid)
-    wide = GemmConfig(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    wide = GemmConfig(block_n=128, block_k=wide_k, group_m=8, num_warps=8, num_stages=3)
     return MoeLaunchConfig(128, wide, wide)
 
 
@@ -213,8 +225,9 @@ class MoeConfigStore:
         dtype: torch.dtype,
         device: torch.device,
     ) -> MoeLaunchConfig:
-        """The tuned config for num_tokens, or `default_config` when no file exists."""
+        """The tuned config for num_tokens, or `default_config` when no file exists; dtype is
+        the GEMM operands' (the activations', or float8_e4m3fn for fp8_w8a8)."""
         table = self.table(num_experts, intermediate_size, dtype, device)
         if not table:
-            return default_config(num_tokens, top_k, num_experts)
+            return default_config(num_tokens, top_k, num_experts, dtype)
         return pick_config(table, num_tokens)

@@ -421,14 +421,17 @@ class TritonMoe:
         """See `moe_ref.select_experts`: ([T, k] float32 weights, [T, k] int64 ids)."""
         return select_experts(router_logits, top_k, renormalize)
 
-    def launch_config(self, hidden: Tensor, w2: Tensor, top_k: int) -> MoeLaunchConfig:
-        """The config a call with these inputs uses (host-side shapes only)."""
+    def launch_config(
+        self, hidden: Tensor, w2: Tensor, top_k: int, dtype: torch.dtype | None = None
+    ) -> MoeLaunchConfig:
+        """The config a call with these inputs uses (host-side shapes only); dtype: the GEMM
+        operands' (default hidden's; float8_e4m3fn picks the fp8_w8a8 configs)."""
         if self.config is not None:
             return self.config
         num_slots, _, inter_size = w2.shape
         num_experts = self.tuned_num_experts or num_slots
         return self.config_store.select(
-            hidden.shape[0], top_k, num_experts, inter_size, hidden.dtype, hidden.device
+            hidden.shape[0], top_k, num_experts, inter_size, dtype or hidden.dtype, hidden.device
         )
 
     def experts(
@@ -443,3 +446,35 @@ class TritonMoe:
         """See `fused_moe`: [T, H] in hidden's dtype; no host sync."""
         config = self.launch_config(hidden, w2, topk_ids.shape[1])
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, config, nonfinite_experts)
+
+    def experts_fp8(
+        self,
+        hidden: Tensor,
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+        block: tuple[int, int] | None,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
+    ) -> Tensor:
+        """FP8 experts (`moe_ref.moe_forward_fp8`'s arguments): [T, H] in hidden's dtype, no
+        host sync. With FP8 tensor cores (sm_89+), `moe_fp8_triton.fused_moe_fp8` (W8A8);
+        on older GPUs the weights are dequantized whole to hidden's dtype for `fused_moe`
+        (slow, but still graph safe)."""
+        # Imported here: moe_fp8_triton imports this module's kernels.
+        from sits.kernels.fp8_gemm_triton import fp8_gemm_supported
+        from sits.kernels.fp8_ref import FP8_DTYPE, dequantize_fp8
+        from sits.kernels.moe_fp8_triton import fused_moe_fp8
+
+        top_k = topk_ids.shape[1]
+        if not fp8_gemm_supported(hidden.device):
+            w13 = dequantize_fp8(w13, w13_scale, block, hidden.dtype)  # [E, 2I, H]
+            w2 = dequantize_fp8(w2, w2_scale, block, hidden.dtype)  # [E, H, I]
+            return self.experts(hidden, w13, w2, topk_weights, topk_ids, nonfinite_experts)
+        config = self.launch_config(hidden, w2, top_k, FP8_DTYPE)
+        return fused_moe_fp8(
+            hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids, config,
+            nonfinite_experts,
+        )  # fmt: skip
