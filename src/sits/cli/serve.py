@@ -12,6 +12,9 @@ besides is refused (keys belong to the tenants). Without it: one default tenant 
 FCFS scheduling. With `--engine-process` the engine's step loop runs in a child process
 (`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop. The fleet flags
 (`--register-with`, `--router-key`, `--fault-injection`, ...) are in `sits.cli.fleet_flags`.
+`--precision-policy overload` (with `--precision-red-seconds` / `--precision-green-seconds`)
+lets the overload state switch the weights of `--precision-switch`; without that flag it is
+refused before the model loads (exit 2).
 """
 
 from __future__ import annotations
@@ -202,6 +205,30 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("critical", "error", "warning", "info", "debug"),
         help="log level of sits and uvicorn (default info)",
     )
+    p.add_argument(
+        "--precision-policy",
+        default="manual",
+        choices=("manual", "overload"),
+        help="who switches the weights of --precision-switch: manual (default; the operator "
+        "only, POST /v1/admin/precision) or overload (also the server: low precision once the "
+        "overload state has been red for --precision-red-seconds, back to full precision once "
+        "green for --precision-green-seconds; an operator's switch restarts that count)",
+    )
+    p.add_argument(
+        "--precision-red-seconds",
+        type=_gpu_price,
+        default=5.0,
+        metavar="S",
+        help="seconds of red before the overload policy switches to low precision (default 5)",
+    )
+    p.add_argument(
+        "--precision-green-seconds",
+        type=_gpu_price,
+        default=30.0,
+        metavar="S",
+        help="seconds of green before the overload policy switches back to full precision "
+        "(default 30)",
+    )
     add_fleet_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -219,7 +246,8 @@ def _port(value: str) -> int:
 
 
 def _gpu_price(value: str) -> float:
-    """argparse type of --gpu-price-per-hour and --shutdown-timeout: a finite number >= 0."""
+    """argparse type of --gpu-price-per-hour, --shutdown-timeout and --precision-*-seconds: a
+    finite number >= 0."""
     try:
         price = float(value)
     except ValueError:
@@ -312,6 +340,26 @@ def tracing_settings_arg(args: argparse.Namespace, environ: Mapping[str, str]) -
     return resolve_tracing(args.otlp_traces_endpoint, args.trace_sample_ratio, environ)
 
 
+def precision_policy_arg(args: argparse.Namespace) -> Any:
+    """The `PrecisionPolicySettings` of the --precision-* flags.
+
+    Raises:
+        InvalidParameterError: `--precision-policy overload` without `--precision-switch`.
+    """
+    from sits.admission.precision_policy import PrecisionPolicyKind, PrecisionPolicySettings
+
+    policy = PrecisionPolicyKind(args.precision_policy)
+    if policy is PrecisionPolicyKind.OVERLOAD and args.precision_switch is None:
+        raise InvalidParameterError(
+            "precision_policy",
+            "--precision-policy overload switches between two weight sets: it needs "
+            "--precision-switch fp8 or --precision-switch int4",
+        )
+    return PrecisionPolicySettings(
+        policy=policy, red_s=args.precision_red_seconds, green_s=args.precision_green_seconds
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run `sits serve` with parsed flags.
 
@@ -340,6 +388,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants = load_tenants_arg(args.tenants, api_key)
         registration = registration_arg(args, router_key)
         fault_injection = fault_injection_arg(args)
+        precision_policy = precision_policy_arg(args)
         tracing = tracing_settings_arg(args, os.environ)
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation is refused here, before the model loads.
@@ -400,6 +449,7 @@ def run_serve(args: argparse.Namespace) -> int:
         router_key=router_key,
         registration=registration,
         fault_injection=fault_injection,
+        precision_policy=precision_policy,
     )
     app = build_app(engine, settings)
     return run_app(app, args.host, args.port, log_level=args.log_level, http=http, loop=args.loop)

@@ -250,6 +250,10 @@ class AuditRecord:
         samples: one entry per sample.
         timings: wall-clock times.
         trace_id: the W3C trace id (32 hex), if the request was traced.
+        precision: the weight set that produced the request's last token (`--precision-switch`:
+            e.g. "bfloat16", "int4"); None without a switch, or when no token was produced.
+        precision_switches: switches of the weight set while the request ran (0: every token
+            came from `precision`).
     """
 
     request_id: str
@@ -263,6 +267,8 @@ class AuditRecord:
     samples: tuple[AuditSample, ...]
     timings: AuditTimings
     trace_id: str | None = None
+    precision: str | None = None
+    precision_switches: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_body(self) -> dict[str, Any]:
@@ -271,7 +277,9 @@ class AuditRecord:
         Keys: schema, time (UTC ISO 8601 of the finish), request_id, tenant, model,
         weights_digest, input_sha256 (of the UTF-8 input text; None without text), input (the
         text only when `store_input`, else None), prompt_token_ids_sha256 (of the canonical JSON
-        list), num_prompt_tokens, sampling, outputs, timings, trace_id, extra.
+        list), num_prompt_tokens, sampling, outputs, timings, trace_id, precision,
+        precision_switches, extra. (Records written before the precision switch lack the last
+        two keys; they verify all the same: the chain covers whatever keys a line has.)
         """
         text = self.input_text
         return {
@@ -289,6 +297,8 @@ class AuditRecord:
             "outputs": [s.to_json() for s in self.samples],
             "timings": self.timings.to_json(),
             "trace_id": self.trace_id,
+            "precision": self.precision,
+            "precision_switches": self.precision_switches,
             "extra": to_jsonable(self.extra),
         }
 

@@ -1,15 +1,15 @@
 """`build_app`: the FastAPI application of one engine.
 
 The app owns a `ServerContext` (settings, lifecycle, QoS state, per-app metrics registry) in
-`app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor
-and the overload watcher (and, with `--register-with`, the fleet heartbeat task) and, on exit,
-stops them, (optionally) shuts the engine down and then closes the audit log. With
-`--fault-injection`, `FaultInjectionMiddleware` (innermost, `sits.server.faults`) delays, fails
-or hangs a share of the generation requests. `QosHeadersMiddleware` puts the
-overload state and the tenant's rate-limit headers on every response; with tracing on,
-`TracingMiddleware` makes one trace per request (`sits.server.tracing`). `GET /dashboard` serves
-the live dashboard (`sits.server.dashboard`). Nothing is global, so one process may build
-several apps.
+`app.state.ctx`; its lifespan opens the audit log (if any), starts the engine-health monitor,
+the overload watcher, the precision policy's task (with `--precision-policy overload`) and,
+with `--register-with`, the fleet heartbeat task; on exit it stops them, (optionally) shuts the
+engine down and then closes the audit log. With `--fault-injection`,
+`FaultInjectionMiddleware` (innermost, `sits.server.faults`) delays, fails or hangs a share of
+the generation requests. `QosHeadersMiddleware` puts the overload state and the tenant's
+rate-limit headers on every response; with tracing on, `TracingMiddleware` makes one trace per
+request (`sits.server.tracing`). `GET /dashboard` serves the live dashboard
+(`sits.server.dashboard`). Nothing is global, so one process may build several apps.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def build_app(
             ctx.audit.start()
         lifecycle.start()
         ctx.overload_watcher.start()
+        ctx.precision.start()
         ctx.loop_lag.start()
         if ctx.faults is not None:
             logger.warning(
@@ -84,6 +85,7 @@ def build_app(
                 if ctx.registration is not None:
                     await ctx.registration.stop()
                 await ctx.overload_watcher.stop()
+                await ctx.precision.stop()
                 await ctx.loop_lag.stop()
                 await lifecycle.stop()
                 if shutdown_engine:

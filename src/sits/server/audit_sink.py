@@ -10,6 +10,9 @@ Invariants:
   are byte-identical with auditing off;
 - exactly one record per engine request: `finish` is idempotent;
 - a traced request's records carry its trace id (`RequestTrace.trace_id`); None untraced;
+- with `--precision-switch`, a record carries the weight set of the request's latest output
+  and the number of switches while it ran (`RequestOutput.precision`,
+  `RequestOutput.num_precision_switches`, as the engine counted them); None and 0 without;
 - the weights digest (`weights_digest`) is computed once in a thread started at `start()`;
   records finished before it is known are submitted from that thread when it is;
 - `close()` waits for the digest, then closes the writer (after the server's drain).
@@ -204,6 +207,8 @@ class RequestAudit:
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.samples = [CompletionOutput(index=i) for i in range(params.n)]
+        self.precision: str | None = None
+        self.num_precision_switches = 0
         self._done = False
 
     def on_output(self, output: RequestOutput) -> RequestOutput:
@@ -211,6 +216,8 @@ class RequestAudit:
         if output.metrics is not None:
             self.arrival_s = output.metrics.arrival_time
             self.first_token_s = output.metrics.first_token_time
+        self.precision = getattr(output, "precision", None) or self.precision
+        self.num_precision_switches = getattr(output, "num_precision_switches", 0)
         for delta in output.outputs:
             self.samples[delta.index].add_delta(delta)
         if output.finished:
@@ -240,5 +247,7 @@ class RequestAudit:
             samples=samples_from_outputs(self.samples, settings.top_logprobs),
             timings=AuditTimings.from_monotonic(self.arrival_s, self.first_token_s, None),
             trace_id=self.trace_id,
+            precision=self.precision,
+            precision_switches=self.num_precision_switches,
         )
         self.audit.submit(record)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sits.admission.precision_policy import PrecisionPolicySettings
 from sits.core.errors import InvalidParameterError
 from sits.obs.tracing import TracingSettings
 from sits.server.audit_sink import AuditSettings, ServerAudit
@@ -29,6 +30,7 @@ from sits.server.lifecycle import ServerLifecycle
 from sits.server.loop_lag import EventLoopLagMonitor
 from sits.server.metrics import ServerMetrics
 from sits.server.overload_watch import OverloadWatcher
+from sits.server.precision import PrecisionCollector, PrecisionSwitcher
 from sits.server.qos import QosSettings, ServerQos
 from sits.server.registration import FleetRegistration, RegistrationSettings
 from sits.server.tenant_metrics import QosCollector, TenantMetrics
@@ -69,6 +71,8 @@ class ServerSettings:
             `sits.server.registration`); None = not part of a fleet (needs `router_key`).
         fault_injection: the faults injected into generation requests (`--fault-injection`,
             `sits.server.faults`); None = off (the default).
+        precision_policy: who switches the weights' precision with `--precision-switch`
+            (`--precision-policy`, `sits.admission.precision_policy`); manual by default.
 
     Raises:
         InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), a
@@ -92,6 +96,7 @@ class ServerSettings:
     router_key: str | None = None
     registration: RegistrationSettings | None = None
     fault_injection: FaultSpec | None = None
+    precision_policy: PrecisionPolicySettings = field(default_factory=PrecisionPolicySettings)
 
     def __post_init__(self) -> None:
         if self.registration is not None and not self.router_key:
@@ -136,6 +141,12 @@ class ServerContext:
         registration: the fleet heartbeat task (started and stopped by the app's lifespan),
             or None without `settings.registration`.
         faults: the fault injector, or None without `settings.fault_injection`.
+        precision: the operator's and the policy's switches of the weights' precision (its
+            policy task is started by the app).
+
+    Raises:
+        InvalidParameterError: `--precision-policy overload` on an engine without a
+            precision switch.
     """
 
     def __init__(
@@ -179,6 +190,14 @@ class ServerContext:
             engine.stats, tenants, tenant_metrics, self.model_name, settings.gpu_price_per_hour
         )
         self.metrics.registry.register(self.cost)
+        self.precision = PrecisionSwitcher(
+            engine,
+            settings.precision_policy,
+            lambda: self.qos.overload_state,
+            self.qos.clock,
+            settings.qos.overload_poll_s,
+        )
+        self.metrics.registry.register(PrecisionCollector(engine, self.model_name))
         self.registration: FleetRegistration | None = None
         if settings.registration is not None:
             assert settings.router_key is not None  # checked by ServerSettings

@@ -13,7 +13,9 @@ latest requests.
   latest ended requests (`ServerMetrics.timelines`), with prefill chunks from the engine's
   chunk ring (`AsyncLLM.prefill_chunks`, matched by engine request id); times are seconds
   relative to the request's arrival (`*_s`) or ages before `time_s`;
-- experts: the engine's last expert snapshot (`EngineStats.experts`), null for a dense model.
+- experts: the engine's last expert snapshot (`EngineStats.experts`), null for a dense model;
+- precision: with `--precision-switch`, the current weight set, the sets held and the number
+  of switches (`PrecisionState`); null without a switch.
 Access: open like `/metrics`; with an admin key (`--admin-key`) the data needs it
 (`Authorization: Bearer KEY`; the page asks for it), since it names recent requests. With
 tenants (`--tenants`) and no admin key, the recent requests are left out (`requests` empty,
@@ -38,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from sits.server.auth import keys_match, presented_key
 from sits.server.cost_metrics import SECONDS_PER_HOUR, cost_per_million_tokens
 from sits.server.errors import ServerError
+from sits.server.precision import engine_precision
 from sits.server.timeline import RequestTimeline, latency_summary
 
 if TYPE_CHECKING:
@@ -217,6 +220,7 @@ def dashboard_data(
     breaker = ctx.qos.breaker
     kv_used = samples.by_label("sits:kv_tier_blocks_used", "tier")
     kv_total = samples.by_label("sits:kv_tier_blocks_total", "tier")
+    precision = engine_precision(ctx.engine)
     return {
         "model_name": ctx.model_name,
         "time_s": now_s,
@@ -250,6 +254,13 @@ def dashboard_data(
         "tenants": _tenants_json(ctx, samples),
         "gpu_price_per_hour": ctx.settings.gpu_price_per_hour,
         "experts": experts.to_json() if experts is not None else None,
+        "precision": None
+        if precision is None
+        else {
+            "current": precision.current,
+            "available": list(precision.available),
+            "num_switches": precision.num_switches,
+        },
         "requests": [_timeline_json(t, chunk_map.get(t.request_id, ()), now_s) for t in shown],
     }
 

@@ -19,6 +19,9 @@ Invariants:
   every output first and hands on a copy trimmed to the user's logprobs; its record's id is
   `request_id` (one prompt) or `f"{request_id}-{i}"`; it ends as finished, abort or error, and
   carries `trace_id` (set by tracing before `start()`; None when the request is not traced).
+- `precision` is the weight set (`RequestOutput.precision`, with `--precision-switch`) of the
+  latest output `next()` handed out: the first one's once the response starts, the last one's
+  once every output was read; None without a switch.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ class GenerationJob:
         start_deadline_s: time.monotonic() seconds by which the engine must have started
             each prompt, else it drops it (`Request.start_deadline_s`; see
             `was_dropped_unstarted`); set before `start()`. None: no deadline.
+        precision: the weight set of the latest output handed out (see the module
+            docstring); None before the first or without a precision switch.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class GenerationJob:
         self.audit = audit
         self.trace_id: str | None = None  # the W3C trace id (32 hex) when traced
         self.start_deadline_s: float | None = None
+        self.precision: str | None = None
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | _PromptDone | BaseException] = (
             asyncio.Queue()
         )
@@ -236,6 +242,7 @@ class GenerationJob:
             if isinstance(item, BaseException):
                 self._num_open = 0
                 raise item
+            self.precision = getattr(item[1], "precision", None) or self.precision
             return item
 
     def fail(self, exc: BaseException) -> None:

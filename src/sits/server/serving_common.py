@@ -20,7 +20,9 @@ runs (invalid JSON, a field of the wrong type) is counted too, as a 400 of its t
    unregisters it, releases the lifecycle ticket and finishes the QoS ticket with the outcome
    (ok, client error, 503, engine error, abort) and the tokens really used.
 Engine failures of a non-streamed request leave as `ServerError`s, so every answer passes the
-QoS header middleware.
+QoS header middleware. With `--precision-switch`, a successful answer carries the weight set
+in `x-sits-precision`: the first output's for a stream (the set when the response starts), the
+last output's for a whole answer.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
 from sits.server.jobs import EnginePrompt, GenerationJob, was_dropped_unstarted
 from sits.server.lifecycle import Ticket
+from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos import Outcome, QosTicket, outcome_of
 from sits.server.qos_headers import TENANT_STATE_KEY
@@ -357,12 +360,15 @@ async def serve_job(
                 _guarded(render_stream(iterate(first, job)), failures),
                 on_close=lambda: cleanup(_stream_outcome(failures, job)),
             )
+            _set_precision_header(response, job)
             handed_off = True
             return response
         results = await run_until_disconnect(raw.receive, collect(first, job))
         body = render_final(results)
         outcome = Outcome.OK
-        return Response(content=body.model_dump_json(), media_type="application/json")
+        response = Response(content=body.model_dump_json(), media_type="application/json")
+        _set_precision_header(response, job)
+        return response
     except ClientDisconnected:
         logger.info("client disconnected; request %s aborted", job.request_id)
         return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -375,6 +381,12 @@ async def serve_job(
     finally:
         if not handed_off:
             await cleanup(outcome)
+
+
+def _set_precision_header(response: Response, job: GenerationJob) -> None:
+    """Put the job's weight set (`GenerationJob.precision`) in `x-sits-precision`, if known."""
+    if job.precision is not None:
+        response.headers[PRECISION_HEADER] = job.precision
 
 
 async def _first_output(job: GenerationJob, qos: QosTicket) -> Any:
