@@ -66,6 +66,10 @@ class EngineCoreOutput:
         prefill_chunks: (step end time.monotonic(), tokens) of each prompt chunk or recompute
             computed since the request's previous output; only while the engine records them
             (`EngineCore.record_request_chunks`, for tracing), else None.
+        precision: the weight set of the step (`PrecisionState.current` then); None without
+            a precision switch.
+        num_precision_switches: precision switches between the request's first step and
+            this one (0 without a switch).
     """
 
     request_id: str
@@ -78,6 +82,8 @@ class EngineCoreOutput:
     error: str | None = None
     first_scheduled_time: float | None = None
     prefill_chunks: list[tuple[float, int]] | None = None
+    precision: str | None = None
+    num_precision_switches: int = 0
 
     @property
     def finished(self) -> bool:
@@ -159,6 +165,10 @@ class RequestOutput:
         finished: True once every sample is finished.
         metrics: timestamps for TTFT, TPOT and E2E.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        precision: the weight set (`PrecisionState.current`) of the step that made the latest
+            token; None without a precision switch (`EngineConfig.precision_switch`).
+        num_precision_switches: precision switches while the request ran (between its first
+            scheduled step and its latest one; the most of its samples).
     """
 
     request_id: str
@@ -169,3 +179,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    precision: str | None = None
+    num_precision_switches: int = 0

@@ -22,6 +22,10 @@ on the engine thread between steps, so requests in flight continue. With spare e
 (`EngineConfig.num_spare_experts`) or `restore_frozen_experts`, that periodic read also
 reloads each expert the health check froze from the checkpoint (into a spare slot when there
 is one) and unfreezes it (`ExpertMonitor.read` with `auto_restore`).
+
+Precision switch (`EngineConfig.precision_switch`): `set_precision` runs on the engine thread
+between steps like the expert operations; `precision_state()` reads the latest state (also
+in every `EngineStats` snapshot, which is how the engine process's parent knows it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from enum import Enum
 
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
+from sits.core.precision import PrecisionState
 from sits.core.request import Request
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
@@ -91,6 +96,8 @@ class EngineStats:
         busy_s: wall seconds of the steps that scheduled tokens, since start.
         tenant_busy_s: tenant id -> its share of `busy_s` (each step split by scheduled
             tokens; `EngineCore.tenant_busy_s`). Read-only.
+        precision: the weight sets and the last precision switch (`EngineCore.precision_state`);
+            None only in the empty snapshot before the first.
         time_s: time.monotonic() when the snapshot was taken.
     """
 
@@ -116,6 +123,7 @@ class EngineStats:
     experts: ExpertStats | None = None
     busy_s: float = 0.0
     tenant_busy_s: Mapping[str, float] = field(default_factory=dict)
+    precision: PrecisionState | None = None
     time_s: float = 0.0
 
     def queue_delay_s(self, now_s: float) -> float:
@@ -236,6 +244,29 @@ class AsyncLLM(RequestFrontEnd):
         """Reload the expert's weights from the checkpoint and unfreeze it (see
         `freeze_expert`; also UnsupportedModelError when the checkpoint lacks them)."""
         return await self._expert_operation("restore", layer_id, expert_id)
+
+    async def set_precision(self, name: str) -> PrecisionState:
+        """Run weight set `name` from the next step on (applied by the engine thread between
+        steps; requests in flight continue on their KV).
+
+        Args:
+            name: one of `precision_state().available` ("fp8" / "int4" or the model dtype's
+                "bf16" / "fp16" / "fp32").
+
+        Returns:
+            The state right after the switch (its step and delay fill in once the first step
+            in the new set has run).
+
+        Raises:
+            InvalidParameterError: no precision switch configured, or an unknown name.
+            EngineDeadError: the engine loop is dead or hung.
+        """
+        called_s = time.monotonic()
+        return await self._call_on_engine(lambda: self.engine_core.set_precision(name, called_s))
+
+    def precision_state(self) -> PrecisionState:
+        """The weight sets and the last switch, as the engine thread last left them."""
+        return self.engine_core.precision_state()
 
     async def prefill_chunks(self) -> list[PrefillChunk]:
         """The latest prompt chunks the engine computed, oldest first (`EngineCore.prefill_chunks`,
@@ -406,5 +437,6 @@ def snapshot_stats(
         experts=experts,
         busy_s=core.busy_s,
         tenant_busy_s=dict(core.tenant_busy_s),
+        precision=core.precision_state(),
         time_s=now_s,
     )

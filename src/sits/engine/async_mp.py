@@ -37,6 +37,7 @@ from typing import Any
 
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError
+from sits.core.precision import PrecisionState
 from sits.engine.async_llm import EngineStats
 from sits.engine.core import PrefillChunk
 from sits.engine.delivery import BatchedDelivery
@@ -185,6 +186,17 @@ class AsyncMPLLM(RequestFrontEnd):
         """As `AsyncLLM.restore_expert`."""
         return await self._call("restore_expert", layer_id, expert_id)
 
+    async def set_precision(self, name: str) -> PrecisionState:
+        """As `AsyncLLM.set_precision` (same errors, rebuilt from the child's)."""
+        return await self._call("set_precision", name, time.monotonic())
+
+    def precision_state(self) -> PrecisionState:
+        """As `AsyncLLM.precision_state`: from the latest stats the child sent (sent before
+        each call's result, so a `set_precision` caller sees its switch)."""
+        state = self._stats.precision
+        assert state is not None, "every snapshot of a started engine carries it"
+        return state
+
     async def prefill_chunks(self) -> list[PrefillChunk]:
         """As `AsyncLLM.prefill_chunks` (copied in the child between steps)."""
         return await self._call("prefill_chunks")
@@ -222,7 +234,7 @@ class AsyncMPLLM(RequestFrontEnd):
             except (OSError, ValueError):
                 return
 
-    async def _call(self, name: str, *args: int) -> Any:
+    async def _call(self, name: str, *args: object) -> Any:
         """Run the child's named call between steps and return (or raise) its result."""
         self._check_alive()
         loop = asyncio.get_running_loop()

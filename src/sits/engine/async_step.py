@@ -69,6 +69,7 @@ class StepPipeline:
             if planned.plan.is_empty or not core.runner.can_launch(planned.plan):
                 return self._run_now(planned, while_gpu_runs)
             start_s = clock()
+            core.mark_run(planned)
             self._in_flight = (planned, core.runner.launch(planned.plan, None))
             runner_s += clock() - start_s
         planned, launched = self._in_flight
@@ -82,6 +83,7 @@ class StepPipeline:
             core.runner.run(following.plan)
         elif core.runner.can_launch(following.plan):
             start_s = clock()
+            core.mark_run(following)
             self._in_flight = (following, core.runner.launch(following.plan, launched))
             runner_s += clock() - start_s
         else:

@@ -15,6 +15,10 @@ among the tenants of its scheduled requests in proportion to their scheduled tok
 `tenant_busy_s`; so the tenants' shares always add up to `busy_s`. The prompt chunks (and
 recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in the bounded
 `prefill_chunks` ring (request timelines on the dashboard; read it on the engine's thread).
+
+Precision switch (`EngineConfig.precision_switch`): `set_precision` changes the runner's weight
+set between steps (`sits.engine.precision`); every step is stamped when it is run or launched,
+and its outputs carry its set and each request's switches since its first step.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
+from sits.core.precision import PrecisionState
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request, RequestStatus
 from sits.engine.async_step import StepPipeline
+from sits.engine.precision import PrecisionControl, StepPrecision, no_switch_state
 from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import recorder_from_env
 from sits.runner.model_info import ModelInfo
@@ -78,6 +84,8 @@ class PlannedStep:
         expired: outputs of requests dropped at their start deadline before planning.
         prefills: its prompt chunks and recomputes (counted before `update`).
         tokens_by_tenant: tokens scheduled per tenant (`Scheduler.last_tokens_by_tenant`).
+        precision: its weight set and switch count, stamped when it is run or launched
+            (`EngineCore.mark_run`; None without a precision switch).
     """
 
     plan: StepPlan
@@ -86,6 +94,7 @@ class PlannedStep:
     expired: list[EngineCoreOutput]
     prefills: list[ScheduledRequest]
     tokens_by_tenant: dict[str, int]
+    precision: StepPrecision | None = None
 
 
 def split_step_time(tokens_by_tenant: Mapping[str, int], step_s: float) -> dict[str, float]:
@@ -155,6 +164,7 @@ class EngineCore:
             (step end time.monotonic(), tokens) per chunk since its previous output.
         clock: the seconds clock `step` reads (time.monotonic; a simulation with a modelled
             device sets its own, e.g. `bench/qos_sim.py`'s virtual clock).
+        precision_control: the precision switch, or None without one.
     """
 
     def __init__(
@@ -209,6 +219,39 @@ class EngineCore:
         self.record_request_chunks = False
         self._unreported_chunks: dict[str, list[tuple[float, int]]] = {}
         self.pipeline = StepPipeline(self) if config.async_scheduling else None
+        self.precision_control = (
+            PrecisionControl(self.runner) if config.precision_switch is not None else None
+        )
+
+    def set_precision(self, name: str, called_s: float | None = None) -> PrecisionState:
+        """Run weight set `name` from the next step on (call between steps).
+
+        Args:
+            name: one of `precision_state().available`.
+            called_s: time.monotonic() of the caller's request, for the switch delay.
+
+        Raises:
+            InvalidParameterError: no precision switch configured, or an unknown name
+                ("precision").
+        """
+        if self.precision_control is None:
+            raise InvalidParameterError(
+                "precision",
+                "this engine has no precision switch (start it with --precision-switch fp8 "
+                "or int4)",
+            )
+        return self.precision_control.set_precision(name, called_s)
+
+    def precision_state(self) -> PrecisionState:
+        """The weight sets and the last switch (one set without a precision switch)."""
+        if self.precision_control is None:
+            return no_switch_state(self.runner)
+        return self.precision_control.state
+
+    def mark_run(self, planned: PlannedStep) -> None:
+        """Stamp a step with its weight set as it is run or launched (precision switch)."""
+        if self.precision_control is not None:
+            planned.precision = self.precision_control.mark_run(planned.plan)
 
     def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
         """Raise at once if a request can never be served.
@@ -257,6 +300,8 @@ class EngineCore:
     ) -> list[EngineCoreOutput]:
         """Finish requests from outside (abort, stop string); frees their blocks at once."""
         self.pacer.forget(request_ids)
+        if self.precision_control is not None:
+            self.precision_control.forget(request_ids)
         for request_id in request_ids:
             request = self.scheduler.get_request(request_id)
             if request is not None and request.num_output_tokens == 0:
@@ -318,6 +363,7 @@ class EngineCore:
         Returns:
             (its outputs, the clock seconds when its tokens were back).
         """
+        self.mark_run(planned)
         result = self.runner.run(planned.plan, while_gpu_runs)
         ran_s = self.clock()
         return self.account_step(planned, ran_s, self.scheduler.update(planned.plan, result)), ran_s
@@ -427,6 +473,8 @@ class EngineCore:
                 out.prefill_chunks = unreported_chunks.pop(request_id, None)
             if out.finish_reason is not None:  # finished
                 first_scheduled_s.pop(request_id, None)
+        if planned.precision is not None:
+            self.precision_control.stamp_outputs(planned.precision, self.num_steps, outputs)
         expired = planned.expired
         return expired + outputs if expired else outputs
 

@@ -64,6 +64,7 @@ CALL_NAMES = (
     "unfreeze_expert",
     "restore_expert",
     "prefill_chunks",
+    "set_precision",
 )
 
 
@@ -350,9 +351,11 @@ class _EngineProc:
             self.stopping = True
 
     def call(self, name: str, args: tuple) -> Any:
-        """The named call of `AsyncMPLLM` (expert surface, prefill chunks)."""
+        """The named call of `AsyncMPLLM` (expert surface, prefill chunks, precision)."""
         if name == "prefill_chunks":
             return list(self.core.prefill_chunks)
+        if name == "set_precision":
+            return self.core.set_precision(*args)  # (name, the parent's time.monotonic())
         if name == "expert_stats":
             return self.driver.read_experts()
         if name not in ("freeze_expert", "unfreeze_expert", "restore_expert"):

@@ -24,6 +24,7 @@ from typing import Any
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, RequestOutput
+from sits.core.precision import PrecisionState
 from sits.core.request import FinishReason
 from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.builder import build_engine
@@ -66,6 +67,19 @@ class LLM:
                 parts.core.runner.model, model_dir=parts.info.model_dir, auto_restore=True
             )
             self.experts = monitor if monitor.blocks else None
+
+    def set_precision(self, name: str) -> PrecisionState:
+        """Run weight set `name` ("fp8" / "int4" or the model dtype's, see
+        `precision_state().available`) from the next step on (`EngineConfig.precision_switch`).
+
+        Raises:
+            InvalidParameterError: no precision switch configured, or an unknown name.
+        """
+        return self.engine_core.set_precision(name)
+
+    def precision_state(self) -> PrecisionState:
+        """The engine's weight sets and the last switch."""
+        return self.engine_core.precision_state()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The tokenizer; None with `skip_tokenizer_init`."""

@@ -63,6 +63,8 @@ class _Parent:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     child_ids: list[str] = field(default_factory=list)  # engine request id of each sample
+    precision: str | None = None  # the weight set of its latest token (precision switch)
+    num_precision_switches: int = 0
 
     @property
     def finished(self) -> bool:
@@ -236,7 +238,11 @@ class OutputProcessor:
             parent.num_cached_tokens = max(out.num_cached_tokens, 0)
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
             parent.prompt_logprobs.extend(self._convert(e) for e in out.new_prompt_logprobs)
+        if out.num_precision_switches > parent.num_precision_switches:
+            parent.num_precision_switches = out.num_precision_switches
         if out.new_token_ids:
+            if out.precision is not None:
+                parent.precision = out.precision
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
@@ -301,6 +307,8 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens,
+            precision=parent.precision,
+            num_precision_switches=parent.num_precision_switches,
         )
 
     @staticmethod
