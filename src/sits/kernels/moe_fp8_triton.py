@@ -304,7 +304,7 @@ def _scale_strides(
         expected = (num_experts, cdiv(num_rows, block[0]), cdiv(num_cols, block[1]))
     if tuple(scale.shape) != expected:
         shape = tuple(scale.shape)
-        raise InvalidParameterError(name, f"scales of shape {shape}, expected {expected}")
+        raise InvalidParameterError(name, f"{name} of shape {shape}, expected {expected}")
     if block is None:
         return scale.stride(0), scale.stride(1), 0
     return scale.stride(0), scale.stride(1), scale.stride(2)
@@ -473,6 +473,10 @@ def fused_moe_fp8(
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     w13_scale, w2_scale = w13_scale.float(), w2_scale.float()
+    _scale_strides(w13_scale, 2 * inter_size, hidden_size, block, "w13_scale")  # refuse before
+    _scale_strides(w2_scale, hidden_size, inter_size, block, "w2_scale")  # any launch
+    _check_block_k(config.gemm1, block)
+    _check_block_k(config.gemm2, block)
     q, q_scale = triton_quant_fp8_group(hidden, block[1] if block is not None else hidden_size)
     if num_tokens == 1:  # k distinct experts: a block per pair, no alignment launch
         alignment = pair_blocks(topk_ids, config.block_m)

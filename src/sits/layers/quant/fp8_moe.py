@@ -7,8 +7,9 @@ Invariants:
   [E, ceil(2I / bn), ceil(H / bk)] / [E, ceil(H / bn), ceil(I / bk)] (I a multiple of bn, so
   gate and up own whole blocks), or per row [E, 2I] / [E, H]; with static activation scales
   also w13_input_scale [E, 2] (gate, up) and w2_input_scale [E] (kept for the kernels).
-- The experts run through a backend's `experts_fp8` (the seam of the fused FP8 MoE kernel);
-  a backend without it (today: the bf16 Triton MoE) is replaced by the PyTorch reference
+- The experts run through a backend's `experts_fp8` (`kernels.moe_triton.TritonMoe`: the
+  fused W8A8 kernel of `kernels.moe_fp8_triton`, CUDA-graph safe); a backend without it is
+  replaced by the PyTorch reference
   (`kernels.moe_ref.TorchMoe`), which dequantizes only the experts a step routes to and is
   not CUDA-graph safe (so decode steps of such a model run eagerly).
 - Spare expert slots and reloading an expert are not supported with FP8 experts yet.
