@@ -11,8 +11,9 @@ Invariants:
   checked `weight_shape` tensors), `bias` in the model dtype.
 - K is a multiple of G and G of 8; with zero points every part's rows are a multiple of 8
   (zeros are packed along N): refused at build otherwise.
-- The forward is `kernels.int4_ref.w4a16_linear` (dequantize, then matmul): the seam of the
-  w4a16 GEMM kernel; with GPTQ `desc_act` each part is dequantized with its own `g_idx`.
+- The forward is the Triton w4a16 GEMM (`kernels.w4a16_gemm_triton`, dequantized in the
+  kernel) on CUDA, else `kernels.int4_ref.w4a16_linear` (dequantize, then matmul); with GPTQ
+  `desc_act` each part is dequantized with its own `g_idx` by the reference.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from sits.core.errors import UnsupportedModelError
 from sits.kernels.int4_ref import PACK, w4a16_linear
+from sits.kernels.triton_utils import has_triton
 from sits.layers.linear import FusedLinear, GateUpLinear, QKVLinear
 from sits.layers.quant.config import QuantConfig
 from sits.layers.quant.int4_formats import (
@@ -110,6 +112,16 @@ class Int4Weights:
         """x: [num_tokens, in_features] -> [num_tokens, sum(part_sizes)], x's dtype."""
         group = self.quant.group_size or 0
         if not self.quant.desc_act:
+            if x.is_cuda and has_triton():  # the w4a16 GEMM, dequantized in the kernel
+                from sits.kernels.w4a16_gemm_triton import (
+                    triton_w4a16_linear,
+                    w4a16_gemm_supported,
+                )
+
+                if w4a16_gemm_supported(x.device):
+                    return triton_w4a16_linear(
+                        x, self.weight, self.weight_scale, self.weight_zero, group, self.bias
+                    )
             return w4a16_linear(
                 x, self.weight, self.weight_scale, self.weight_zero, group, self.bias
             )
