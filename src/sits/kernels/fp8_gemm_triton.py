@@ -53,8 +53,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @triton.jit
 def scale_to_fp8(x, scale, FP8_MAX: tl.constexpr, EXACT_ROUND: tl.constexpr):
     """x / scale (float32, broadcast) clamped to +-FP8_MAX, ready to cast to float8_e4m3fn;
-    when EXACT_ROUND (interpreter only), rounded to the e4m3 grid (nearest even) first."""
-    v = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    when EXACT_ROUND (interpreter only), rounded to the e4m3 grid (nearest even) first. NaN
+    stays NaN (as torch's clamp), so a non-finite activation shows in the output."""
+    v = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if EXACT_ROUND:
         exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
         step_exponent = tl.maximum(exponent, 127 - 6) - 3  # 3 mantissa bits; subnormals 2^-9

@@ -9,9 +9,8 @@ Invariants:
   also w13_input_scale [E, 2] (gate, up) and w2_input_scale [E] (kept for the kernels).
 - The experts run through a backend's `experts_fp8` (`kernels.moe_triton.TritonMoe`: the
   fused W8A8 kernel of `kernels.moe_fp8_triton`, CUDA-graph safe); a backend without it is
-  replaced by the PyTorch reference
-  (`kernels.moe_ref.TorchMoe`), which dequantizes only the experts a step routes to and is
-  not CUDA-graph safe (so decode steps of such a model run eagerly).
+  replaced by the PyTorch reference (`kernels.moe_ref.TorchMoe`), which dequantizes only the
+  experts a step routes to and is not CUDA-graph safe (decode steps then run eagerly).
 - Spare expert slots and reloading an expert are not supported with FP8 experts yet.
 """
 
