@@ -5,9 +5,11 @@ Triton 3.9's interpreter runs float8_e4m3fn loads, stores and tl.dot of fp8 oper
 are (no float16 emulation is needed); only its float32 -> fp8 cast does not round to nearest
 even, so the quantization kernel rounds to the e4m3 grid itself when interpreted
 (`EXACT_ROUND`) and its output is compared bit for bit with torch's. The GEMM is compared with
-`fp8_linear_w8a8_reference` (activations quantized the same way): both add exact fp8 products
-in float32, so they differ only by float32 summation order (relative 1e-5 of the output's
-magnitude; one ulp of float16 at most after the final cast). Shapes are ragged in M, N and K.
+`fp8_linear_w8a8_reference` (activations quantized the same way: per token and 128-wide group
+for block scales, per token for per-row ones) in its "w8a8" mode and with
+`fp8_linear_weight_only_reference` in its "w8a16" mode: both add exact products in float32, so
+they differ only by float32 summation order (relative 1e-5 of the output's magnitude; one ulp
+of float16 at most after the final cast). Shapes are ragged in M, N and K.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 pytest.importorskip("triton")
 
 from sits.kernels.fp8_gemm_triton import (  # noqa: E402
+    W8A16_MAX_ROWS,
     Fp8GemmConfig,
     config_file_name,
     default_config,
+    fp8_gemm_mode,
     select_config,
     triton_fp8_linear,
     triton_quant_fp8_group,
@@ -30,6 +34,7 @@ from sits.kernels.fp8_gemm_triton import (  # noqa: E402
 from sits.kernels.fp8_ref import (  # noqa: E402
     fp8_linear,
     fp8_linear_w8a8_reference,
+    fp8_linear_weight_only_reference,
     quantize_fp8_block,
     quantize_fp8_per_row,
     quantize_fp8_per_tensor,
@@ -54,6 +59,14 @@ def quantized_weight(num_cols: int, num_inner: int, scheme: str, seed: int):
     if scheme == "channel":
         return (*quantize_fp8_per_row(w), None)
     return (*quantize_fp8_per_tensor(w), None)
+
+
+def reference(x, weight, scale, bias, block, mode: str) -> torch.Tensor:
+    """The mode's reference (module docstring)."""
+    if mode == "w8a16":
+        return fp8_linear_weight_only_reference(x, weight, scale, bias, block)
+    group = 128 if block is not None else x.shape[-1]  # per token for per-row scales
+    return fp8_linear_w8a8_reference(x, weight, scale, bias, block, group_size=group)
 
 
 def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -87,13 +100,14 @@ def test_activation_quantization_matches_reference_bit_for_bit(
         (37, 130, 256, torch.float32),  # ragged M over three row tiles, N just past a block
     ],
 )
-def test_gemm_matches_w8a8_reference(
-    scheme: str, num_rows: int, num_cols: int, num_inner: int, dtype: torch.dtype
+@pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
+def test_gemm_matches_the_reference_of_its_mode(
+    scheme: str, num_rows: int, num_cols: int, num_inner: int, dtype: torch.dtype, mode: str
 ) -> None:
     weight, scale, block = quantized_weight(num_cols, num_inner, scheme, seed=num_cols)
     x = randn(num_rows, num_inner, dtype=dtype, seed=num_rows)
-    out = triton_fp8_linear(x, weight, scale, None, block, config=SMALL)
-    expected = fp8_linear_w8a8_reference(x, weight, scale, None, block)
+    out = triton_fp8_linear(x, weight, scale, None, block, config=SMALL, mode=mode)
+    expected = reference(x, weight, scale, None, block, mode)
     assert out.shape == (num_rows, num_cols) and out.dtype == dtype
     assert_matches_reference(out, expected)
 
@@ -107,20 +121,23 @@ def test_gemm_matches_w8a8_reference(
         Fp8GemmConfig(16, 256, 64, group_m=1),  # a column tile over two scale row blocks
     ],
 )
-def test_gemm_with_bias_matches_reference_for_each_tile_shape(config: Fp8GemmConfig) -> None:
+@pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
+def test_gemm_with_bias_matches_reference_for_each_tile_shape(
+    config: Fp8GemmConfig, mode: str
+) -> None:
     weight, scale, block = quantized_weight(200, 328, "block", seed=3)
     x = randn(19, 328, dtype=torch.float16, seed=4)
     bias = randn(200, dtype=torch.float16, seed=5)
-    out = triton_fp8_linear(x, weight, scale, bias, block, config=config)
-    assert_matches_reference(out, fp8_linear_w8a8_reference(x, weight, scale, bias, block))
+    out = triton_fp8_linear(x, weight, scale, bias, block, config=config, mode=mode)
+    assert_matches_reference(out, reference(x, weight, scale, bias, block, mode))
 
 
 def test_gemm_takes_leading_dimensions_and_strided_rows() -> None:
     weight, scale, block = quantized_weight(96, 256, "channel", seed=6)
     wide = randn(2, 3, 300, seed=7)
     x = wide[..., 10:266]  # [2, 3, 256], strided rows
-    out = triton_fp8_linear(x, weight, scale, None, block, config=SMALL)
-    expected = fp8_linear_w8a8_reference(x.reshape(6, 256), weight, scale, None, block)
+    out = triton_fp8_linear(x, weight, scale, None, block, config=SMALL, mode="w8a8")
+    expected = reference(x.reshape(6, 256), weight, scale, None, block, "w8a8")
     assert out.shape == (2, 3, 96)
     assert_matches_reference(out.reshape(6, 96), expected)
 
@@ -154,6 +171,20 @@ def test_gemm_rejects_what_it_cannot_compute() -> None:
         triton_fp8_linear(x, weight.float(), scale, None, block)
     with pytest.raises(ValueError, match="BLOCK_K"):
         triton_fp8_linear(x, weight, scale, None, block, config=Fp8GemmConfig(16, 32, 256))
+    with pytest.raises(ValueError, match="mode"):
+        triton_fp8_linear(x, weight, scale, None, block, mode="w4a8")
+
+
+def test_the_mode_follows_the_number_of_tokens() -> None:
+    assert fp8_gemm_mode(1) == fp8_gemm_mode(W8A16_MAX_ROWS) == "w8a16"
+    assert fp8_gemm_mode(W8A16_MAX_ROWS + 1) == "w8a8"
+    weight, scale, block = quantized_weight(64, 128, "channel", seed=12)
+    for num_rows in (2, W8A16_MAX_ROWS + 3):
+        x = randn(num_rows, 128, seed=num_rows)
+        out = triton_fp8_linear(x, weight, scale, None, block, config=SMALL)
+        assert_matches_reference(
+            out, reference(x, weight, scale, None, block, fp8_gemm_mode(num_rows))
+        )
 
 
 def test_config_by_shape_and_from_a_tuned_file(tmp_path) -> None:
@@ -161,6 +192,8 @@ def test_config_by_shape_and_from_a_tuned_file(tmp_path) -> None:
     assert default_config(4096, 4096).block_m == 128
     name = config_file_name(6144, 4096, "NVIDIA H200")
     assert name == "fp8_gemm_N6144_K4096_NVIDIA_H200.json"
+    channel = config_file_name(6144, 4096, "NVIDIA H200", "channel")
+    assert channel == "fp8_gemm_channel_N6144_K4096_NVIDIA_H200.json"
     entries = {"16": {"BLOCK_M": 16, "BLOCK_N": 32}, "512": {"BLOCK_M": 64, "BLOCK_N": 256}}
     (tmp_path / name).write_text(json.dumps(entries))
     pick = lambda m: select_config(m, 6144, 4096, "NVIDIA H200", tmp_path)  # noqa: E731

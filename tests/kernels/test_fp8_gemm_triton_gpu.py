@@ -1,10 +1,11 @@
-"""The Triton W8A8 FP8 GEMM on an NVIDIA GPU (FP8 tensor cores, sm_89+) at real shapes.
+"""The Triton FP8 GEMM on an NVIDIA GPU (FP8 tensor cores, sm_89+) at real shapes.
 
 Projections of Llama-3.1-8B (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
 4096 x 14336) and Qwen3-30B-A3B's attention (qkv 5120 x 2048, o 2048 x 4096), with 128 x 128
 block scales (the Qwen3-*-FP8 format) and 1, 16, 256 and 4,096 tokens in bfloat16, against
-`fp8_linear_w8a8_reference` (activations quantized the same way, float32 products): both are
-float32 sums of the same exact fp8 products, so after the cast to bfloat16 they differ by one
+the reference of the mode the kernel runs at that size (`fp8_linear_weight_only_reference` for
+"w8a16", `fp8_linear_w8a8_reference` with activations quantized the same way for "w8a8"):
+both are float32 sums of the same exact products, so after the cast to bfloat16 they differ by one
 bf16 ulp where the summation order moves a rounding. Also: the activation quantization matches
 torch's bit for bit, per-channel and per-tensor scales, `fp8_linear` dispatches to the kernel on
 CUDA, the W8A8 result stays within FP8 activation rounding of the weight-only reference, and
@@ -28,6 +29,7 @@ pytest.importorskip("triton")
 
 from sits.kernels.fp8_gemm_triton import (  # noqa: E402
     Fp8GemmConfig,
+    fp8_gemm_mode,
     triton_fp8_linear,
     triton_quant_fp8_group,
 )
@@ -35,6 +37,7 @@ from sits.kernels.fp8_ref import (  # noqa: E402
     dequantize_fp8,
     fp8_linear,
     fp8_linear_w8a8_reference,
+    fp8_linear_weight_only_reference,
     quantize_fp8_block,
     quantize_fp8_per_row,
     quantize_fp8_per_tensor,
@@ -63,6 +66,15 @@ def block_weight(num_cols: int, num_inner: int, seed: int) -> tuple[torch.Tensor
     return quantize_fp8_block(randn(num_cols, num_inner, seed=seed, std=0.02), BLOCK)
 
 
+def reference(x, weight, scale, bias, block, mode: str | None = None) -> torch.Tensor:
+    """The reference of `mode` (default: the one the kernel picks for x's rows)."""
+    mode = mode or fp8_gemm_mode(x.shape[0])
+    if mode == "w8a16":
+        return fp8_linear_weight_only_reference(x, weight, scale, bias, block)
+    group = 128 if block is not None else x.shape[-1]  # per token for per-row scales
+    return fp8_linear_w8a8_reference(x, weight, scale, bias, block, group_size=group)
+
+
 def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-3 * scale)  # 1 bf16 ulp
@@ -77,7 +89,16 @@ def test_gemm_matches_reference_at_real_shapes(shape: str, num_rows: int) -> Non
     x = randn(num_rows, num_inner, seed=num_rows).to(DTYPE)
     out = triton_fp8_linear(x, weight, scale, None, BLOCK)
     assert out.shape == (num_rows, num_cols) and out.dtype == DTYPE
-    assert_bf16_close(out, fp8_linear_w8a8_reference(x, weight, scale, None, BLOCK))
+    assert_bf16_close(out, reference(x, weight, scale, None, BLOCK))
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("num_rows", [1, 64, 300])
+def test_both_modes_at_every_size_with_per_row_scales(num_rows: int, mode: str) -> None:
+    weight, scale = quantize_fp8_per_row(randn(4096, 14336, seed=12, std=0.02))
+    x = randn(num_rows, 14336, seed=13).to(DTYPE)
+    out = triton_fp8_linear(x, weight, scale, None, None, mode=mode)
+    assert_bf16_close(out, reference(x, weight, scale, None, None, mode))
 
 
 @pytest.mark.parametrize("num_rows", [16, 4096])
@@ -97,7 +118,7 @@ def test_per_channel_and_per_tensor_scales(scheme: str) -> None:
     x = randn(256, 4096, seed=3).to(DTYPE)
     bias = randn(6144, seed=4).to(DTYPE)
     out = triton_fp8_linear(x, weight, scale, bias, None)
-    assert_bf16_close(out, fp8_linear_w8a8_reference(x, weight, scale, bias, None))
+    assert_bf16_close(out, reference(x, weight, scale, bias, None))
 
 
 @pytest.mark.parametrize(
@@ -108,8 +129,9 @@ def test_per_channel_and_per_tensor_scales(scheme: str) -> None:
 def test_other_launch_configs_compile_and_agree(config: Fp8GemmConfig) -> None:
     weight, scale = block_weight(5120 + 64, 2048 + 64, seed=5)  # ragged: half a scale block
     x = randn(300, 2048 + 64, seed=6).to(DTYPE)
-    out = triton_fp8_linear(x, weight, scale, None, BLOCK, config=config)
-    assert_bf16_close(out, fp8_linear_w8a8_reference(x, weight, scale, None, BLOCK))
+    for mode in ("w8a16", "w8a8"):
+        out = triton_fp8_linear(x, weight, scale, None, BLOCK, config=config, mode=mode)
+        assert_bf16_close(out, reference(x, weight, scale, None, BLOCK, mode))
 
 
 def test_fp8_linear_dispatches_to_the_kernel_and_stays_near_weight_only() -> None:
@@ -120,6 +142,9 @@ def test_fp8_linear_dispatches_to_the_kernel_and_stays_near_weight_only() -> Non
     weight_only = x.float() @ dequantize_fp8(weight, scale, BLOCK, torch.float32).T
     error = (out.float() - weight_only).norm() / weight_only.norm()
     assert error.item() < 0.05  # e4m3 activation rounding (<= 2^-4 relative per element)
+    # decode-sized batches keep the activations: the weight-only result up to summation order
+    decode = fp8_linear(x[:4], weight, scale, None, BLOCK)
+    assert_bf16_close(decode, reference(x[:4], weight, scale, None, BLOCK, "w8a16"))
     # CPU tensors take the reference path
     cpu = fp8_linear(x.cpu(), weight.cpu(), scale.cpu(), None, BLOCK)
     expected = torch.nn.functional.linear(
@@ -139,4 +164,4 @@ def test_kernels_in_a_cuda_graph_replay_new_inputs() -> None:
     x.copy_(randn(16, 4096, seed=11).to(DTYPE))
     graph.replay()
     torch.cuda.synchronize()
-    assert_bf16_close(out, fp8_linear_w8a8_reference(x, weight, scale, None, BLOCK))
+    assert_bf16_close(out, reference(x, weight, scale, None, BLOCK))

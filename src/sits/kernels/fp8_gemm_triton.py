@@ -1,16 +1,20 @@
-"""Triton kernels: the W8A8 FP8 GEMM y = dequant(x) @ dequant(W)^T on FP8 tensor cores.
+"""Triton kernels: the FP8 GEMM y = x @ dequant(W)^T, weight-only or on FP8 tensor cores.
 
-Twin of `sits.kernels.fp8_ref.fp8_linear_w8a8_reference` (the PyTorch reference), in two
-kernels:
-1. `quant_fp8_group_kernel`: the activations x [M, K] (model dtype) are quantized dynamically
-   per token and per `group_size`-wide K group (128): scale = amax(|group|) / 448 (1 for an
-   all-zero group), q = float8_e4m3fn(x / scale), rounded to nearest even and saturated.
-2. `fp8_gemm_kernel`: each program owns a [BLOCK_M, BLOCK_N] output tile and walks K in
-   BLOCK_K steps; every step is one tl.dot of float8_e4m3fn operands (Hopper FP8 tensor cores)
-   accumulated in float32 as acc += dot * x_scale[:, None] * w_scale[None, :], where the
-   weight scale is that of the (row block, K block) for block scales, or applied once after
-   the loop for per-row (per-channel, or per-tensor broadcast) scales. The bias is added in
-   float32 and the tile is cast to the activation dtype once.
+Twin of `sits.kernels.fp8_ref` (`fp8_linear_weight_only_reference`,
+`fp8_linear_w8a8_reference`), in two modes (`fp8_gemm_mode`, by the number of tokens M):
+- "w8a16" (decode-sized M <= W8A16_MAX_ROWS, bound by the weight bytes): one launch;
+  `fp8_gemm_kernel` loads the activations in the model dtype and widens each fp8 weight tile
+  to it (exact) for the tl.dot; weight scales apply per K step (block) or once after the loop.
+- "w8a8" (larger M, bound by the tensor cores): two launches.
+  1. `quant_fp8_group_kernel` quantizes x [M, K] dynamically: per token and 128-wide K group
+     for block-scaled weights, per token (one group of K) for per-row weight scales; scale =
+     amax(|group|) / 448 (1 for an all-zero group), q = float8_e4m3fn(x / scale), rounded to
+     nearest even and saturated.
+  2. `fp8_gemm_kernel` walks K in BLOCK_K steps of tl.dot on float8_e4m3fn operands (Hopper
+     FP8 tensor cores): with block scales acc += dot * x_scale[:, None] * w_scale[None, :] per
+     step; with per-row scales the tensor cores accumulate the whole K and both scales apply
+     once after the loop.
+  The bias is added in float32 and the tile is cast to the activation dtype once.
 
 Invariants:
 - Weight W [N, K] float8_e4m3fn, contiguous; scales float32: block [ceil(N / bn), ceil(K / bk)]
@@ -47,6 +51,7 @@ from sits.kernels.fp8_ref import FP8_DTYPE, FP8_MAX
 from sits.kernels.triton_utils import cdiv, kernels_interpreted, next_power_of_2
 
 GROUP_SIZE = 128  # activation quantization group along K (DeepSeek-V3 / Qwen3-FP8)
+W8A16_MAX_ROWS = 64  # up to this M the GEMM keeps activations in the model dtype
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -112,6 +117,9 @@ def fp8_gemm_kernel(
     SCALE_BLOCK_N: tl.constexpr,
     SCALE_BLOCK_K: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,
+    A_FP8: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    DOT_IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -120,9 +128,12 @@ def fp8_gemm_kernel(
 ):
     """Program pid: the [BLOCK_M, BLOCK_N] tile of c = (a * a_scale) @ (b * b_scale)^T.
 
-    a [M, K] fp8 with a_scale [M, ceil(K / GROUP_K)]; b [N, K] fp8 with b_scale
-    [ceil(N / SCALE_BLOCK_N), ceil(K / SCALE_BLOCK_K)] when BLOCK_SCALES, else per row
-    (b_scale + n * stride_bsn; stride 0 for one per-tensor scale).
+    A_FP8 (W8A8): a [M, K] fp8 with a_scale [M, ceil(K / GROUP_K)], or one scale per row
+    applied after the loop when PER_TOKEN (per-row weight scales only). Else (W8A16): a in
+    the model dtype, no a_scale; b's fp8 values are widened to a's dtype (exact) for the dot.
+    b [N, K] fp8 with b_scale [ceil(N / SCALE_BLOCK_N), ceil(K / SCALE_BLOCK_K)] when
+    BLOCK_SCALES (applied per K step), else per row after the loop (b_scale + n * stride_bsn;
+    stride 0 for one per-tensor scale). DOT_IEEE: float32 a multiplied in full precision.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -148,24 +159,41 @@ def fp8_gemm_kernel(
             a_ptr + rows_m[:, None] * stride_am + offs_k[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
-        )  # [BLOCK_M, BLOCK_K] fp8
+        )  # [BLOCK_M, BLOCK_K] fp8 (W8A8) or the model dtype (W8A16)
         b = tl.load(
             b_ptr + rows_n[None, :] * stride_bn + offs_k[:, None],
             mask=mask_k[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N] fp8 (W^T)
-        a_scale = tl.load(a_scale_ptr + rows_m * stride_asm + k0 // GROUP_K, mask=mask_m, other=0.0)
-        partial = tl.dot(a, b) * a_scale[:, None]  # [BLOCK_M, BLOCK_N] float32
-        if BLOCK_SCALES:
-            b_scale = tl.load(
-                b_scale_ptr
-                + (offs_n // SCALE_BLOCK_N) * stride_bsn
-                + (k0 // SCALE_BLOCK_K) * stride_bsk,
-                mask=mask_n,
-                other=0.0,
-            )  # [BLOCK_N]
-            partial = partial * b_scale[None, :]
-        acc += partial
+        if not A_FP8:
+            b = b.to(a.dtype)  # exact: every e4m3 value is a float16 / bfloat16 value
+        if BLOCK_SCALES or (A_FP8 and not PER_TOKEN):
+            if DOT_IEEE:
+                partial = tl.dot(a, b, input_precision="ieee")
+            else:
+                partial = tl.dot(a, b)  # [BLOCK_M, BLOCK_N] float32
+            if A_FP8:
+                a_scale = tl.load(
+                    a_scale_ptr + rows_m * stride_asm + k0 // GROUP_K, mask=mask_m, other=0.0
+                )
+                partial = partial * a_scale[:, None]
+            if BLOCK_SCALES:
+                b_scale = tl.load(
+                    b_scale_ptr
+                    + (offs_n // SCALE_BLOCK_N) * stride_bsn
+                    + (k0 // SCALE_BLOCK_K) * stride_bsk,
+                    mask=mask_n,
+                    other=0.0,
+                )  # [BLOCK_N]
+                partial = partial * b_scale[None, :]
+            acc += partial
+        elif DOT_IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)  # scales after the loop: the tensor cores accumulate
+    if A_FP8 and PER_TOKEN:
+        token_scale = tl.load(a_scale_ptr + rows_m * stride_asm, mask=mask_m, other=0.0)
+        acc = acc * token_scale[:, None]
     if not BLOCK_SCALES:
         row_scale = tl.load(b_scale_ptr + rows_n * stride_bsn, mask=mask_n, other=0.0)
         acc = acc * row_scale[None, :]
@@ -216,24 +244,37 @@ class Fp8GemmConfig:
         )
 
 
-def default_config(num_rows: int, num_cols: int) -> Fp8GemmConfig:
-    """Untuned launch shape by M (rows) and N (columns); the GPU session tunes these.
+def fp8_gemm_mode(num_rows: int) -> str:
+    """The kernel's mode at M = num_rows: "w8a16" (decode-sized M: the weight bytes bound the
+    time, so the activations stay in the model dtype and no quantization launch is spent) or
+    "w8a8" (activations quantized to FP8: the FP8 tensor cores' throughput)."""
+    return "w8a16" if num_rows <= W8A16_MAX_ROWS else "w8a8"
 
-    Decode (M <= 16) is bound by the weight bytes: small row tiles, narrow column tiles so
-    that enough programs cover the SMs. Prefill is bound by the tensor cores: 128 x 128 tiles.
+
+def default_config(num_rows: int, num_cols: int) -> Fp8GemmConfig:
+    """Untuned launch shape by M (rows) and N (columns); `bench/kernels/fp8_gemm_tune.py`
+    writes tuned ones.
+
+    Decode (M <= 64) is bound by the weight bytes: small row tiles, narrow column tiles so
+    that enough programs cover the SMs (H200 tuning: 16 x 32 tiles, 4-5 stages). Prefill is
+    bound by the tensor cores: 64-128 x 128 tiles.
     """
     if num_rows <= 16:
-        return Fp8GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
+        return Fp8GemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=5)
     if num_rows <= 64:
-        return Fp8GemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=4)
+        return Fp8GemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=5)
     if num_rows <= 256 or num_cols < 2048:
         return Fp8GemmConfig(64, 128, 128, group_m=8, num_warps=4, num_stages=3)
     return Fp8GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
 
 
-def config_file_name(num_cols: int, num_inner: int, device_name: str) -> str:
-    """`fp8_gemm_N{N}_K{K}_{gpu}.json`: tuned configs keyed by M (as the MoE's)."""
-    return f"fp8_gemm_N{num_cols}_K{num_inner}_{device_name.replace(' ', '_')}.json"
+def config_file_name(
+    num_cols: int, num_inner: int, device_name: str, scales: str = "block"
+) -> str:
+    """`fp8_gemm_N{N}_K{K}_{gpu}.json` (128 x 128 block scales) or
+    `fp8_gemm_channel_N{N}_K{K}_{gpu}.json` (per-row scales): tuned configs keyed by M."""
+    kind = "" if scales == "block" else f"{scales}_"
+    return f"fp8_gemm_{kind}N{num_cols}_K{num_inner}_{device_name.replace(' ', '_')}.json"
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,10 +287,18 @@ def load_tuned(path: Path) -> tuple[tuple[int, Fp8GemmConfig], ...]:
 
 
 def select_config(
-    num_rows: int, num_cols: int, num_inner: int, device_name: str, config_dir: Path = CONFIG_DIR
+    num_rows: int,
+    num_cols: int,
+    num_inner: int,
+    device_name: str,
+    config_dir: Path = CONFIG_DIR,
+    scales: str = "block",
 ) -> Fp8GemmConfig:
-    """The tuned entry of the smallest key >= M (the largest key past all), else the default."""
-    entries = load_tuned(config_dir / config_file_name(num_cols, num_inner, device_name))
+    """The tuned entry of the smallest key >= M (the largest key past all), else the default.
+
+    scales: "block" or "channel" (per-row and per-tensor weight scales)."""
+    name = config_file_name(num_cols, num_inner, device_name, scales)
+    entries = load_tuned(config_dir / name)
     for key, config in entries:
         if key >= num_rows:
             return config
@@ -300,8 +349,17 @@ def triton_fp8_linear(
     block: tuple[int, int] | None = None,
     config: Fp8GemmConfig | None = None,
     group_size: int = GROUP_SIZE,
+    mode: str | None = None,
 ) -> Tensor:
-    """y = x @ dequantize(weight).T (+ bias) with activations quantized to FP8 per token group.
+    """y = x @ dequantize(weight).T (+ bias) on FP8 weights.
+
+    Modes (`fp8_gemm_mode` picks one by M when None):
+    - "w8a16": x stays in its dtype; the fp8 weight tile is widened in the kernel (the
+      reference is `fp8_ref.fp8_linear_weight_only_reference`).
+    - "w8a8": x is quantized to FP8 first, per token and `group_size`-wide K group for block
+      scales, per token (one scale per row) for per-row / per-tensor weight scales, whose
+      scales then apply once after the K loop (`fp8_ref.fp8_linear_w8a8_reference` with
+      group_size K).
 
     Args:
         x: [..., K] float32/float16/bfloat16 (contiguous last dimension).
@@ -311,13 +369,14 @@ def triton_fp8_linear(
         bias: [N] or None.
         block: (bn, bk) of a block-scaled weight, None for per-row / per-tensor scales.
         config: launch shape; None picks a tuned or default one by shape.
-        group_size: activation quantization group along K.
+        group_size: activation quantization group along K (block scales, "w8a8").
+        mode: "w8a16", "w8a8" or None.
 
     Returns:
         [..., N] in x's dtype.
 
     Raises:
-        ValueError: shapes or dtypes the kernel does not compute.
+        ValueError: shapes, dtypes or modes the kernel does not compute.
     """
     num_cols, num_inner = weight.shape
     if weight.dtype != FP8_DTYPE or not weight.is_contiguous():
@@ -328,6 +387,9 @@ def triton_fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     num_rows = x2.shape[0]
+    mode = mode or fp8_gemm_mode(num_rows)
+    if mode not in ("w8a16", "w8a8"):
+        raise ValueError(f"unknown FP8 GEMM mode {mode!r} (w8a16 or w8a8)")
     scale = weight_scale.float()
     if block is not None:
         expected = (cdiv(num_cols, block[0]), cdiv(num_inner, block[1]))
@@ -340,9 +402,16 @@ def triton_fp8_linear(
         stride_bsn, stride_bsk = scale.stride(0), 0
     else:
         raise ValueError(f"per-row scales of shape {tuple(scale.shape)}, expected ({num_cols},)")
+    per_token = mode == "w8a8" and block is None
     if config is None:
-        config = select_config(num_rows, num_cols, num_inner, _device_name(x.device))
-    if group_size % config.block_k or (block is not None and block[1] % config.block_k):
+        scales = "block" if block is not None else "channel"
+        config = select_config(
+            num_rows, num_cols, num_inner, _device_name(x.device), scales=scales
+        )
+    grouped = mode == "w8a8" and block is not None
+    if (grouped and group_size % config.block_k) or (
+        block is not None and block[1] % config.block_k
+    ):
         raise ValueError(
             f"BLOCK_K {config.block_k} must divide the activation group {group_size} and the "
             f"weight's K scale block {block}"
@@ -353,16 +422,21 @@ def triton_fp8_linear(
     if num_inner == 0:
         out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand_as(out))
         return out.reshape(*x.shape[:-1], num_cols)
-    q, x_scale = triton_quant_fp8_group(x2, group_size)
+    if mode == "w8a8":
+        q, x_scale = triton_quant_fp8_group(x2, num_inner if per_token else group_size)
+    else:
+        q, x_scale = x2, scale  # x_scale unused: no activation scales in W8A16
     grid = (cdiv(num_rows, config.block_m) * cdiv(num_cols, config.block_n),)
     fp8_gemm_kernel[grid](
         q, x_scale, weight, scale, bias if bias is not None else out, out,
         num_rows, num_cols, num_inner,
-        q.stride(0), x_scale.stride(0), weight.stride(0), stride_bsn, stride_bsk, out.stride(0),
-        GROUP_K=group_size,
+        q.stride(0), x_scale.stride(0) if mode == "w8a8" else 0, weight.stride(0),
+        stride_bsn, stride_bsk, out.stride(0),
+        GROUP_K=num_inner if per_token else group_size,
         SCALE_BLOCK_N=block[0] if block is not None else 1,
         SCALE_BLOCK_K=block[1] if block is not None else 1,
-        BLOCK_SCALES=block is not None, HAS_BIAS=bias is not None,
+        BLOCK_SCALES=block is not None, A_FP8=mode == "w8a8", PER_TOKEN=per_token,
+        DOT_IEEE=mode == "w8a16" and x.dtype == torch.float32, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

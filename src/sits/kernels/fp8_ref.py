@@ -33,6 +33,13 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
 
+def _scale_of(amax: Tensor) -> Tensor:
+    """amax / 448 (1 where amax is 0), float32, correctly rounded on every device: a Python
+    scalar divisor makes CUDA multiply by its reciprocal instead (one ulp off at times), so
+    the divisor is a tensor, as the Triton kernels' div_rn."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -87,9 +94,10 @@ def fp8_linear(
     """y = x @ dequantize(weight).T (+ bias): the reference FP8 GEMM.
 
     Off CUDA: the weight is dequantized to x's dtype and multiplied in that dtype (weight-only
-    semantics). On CUDA (FP8 tensor cores, Triton installed): `fp8_gemm_triton`, which also
-    quantizes the activations per token and 128-wide K group (`fp8_linear_w8a8_reference`),
-    and agrees with this within FP8 activation rounding.
+    semantics). On CUDA (FP8 tensor cores, Triton installed): `fp8_gemm_triton`, weight-only
+    for decode-sized batches and, past them, with the activations quantized to FP8 per token
+    (and 128-wide K group for block scales; `fp8_linear_w8a8_reference`), which agrees with
+    this within FP8 activation rounding.
 
     Args:
         x: [num_tokens, K], the model dtype.
@@ -151,6 +159,31 @@ def fp8_linear_w8a8_reference(
     return y.to(x.dtype)
 
 
+def fp8_linear_weight_only_reference(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> Tensor:
+    """The W8A16 FP8 GEMM's reference: x and the dequantized weight multiplied in float32, the
+    bias added in float32, one cast to x's dtype (what `kernels.fp8_gemm_triton` computes in
+    its "w8a16" mode, up to float32 summation order).
+
+    Args: as `fp8_linear`; weight_scale may also be one element (per-tensor).
+
+    Returns:
+        [num_tokens, N] in x's dtype.
+    """
+    if block is None and weight_scale.numel() == 1:
+        weight_scale = weight_scale.reshape(1).expand(weight.shape[0])
+    w32 = dequantize_fp8(weight, weight_scale, block, torch.float32)  # [N, K]
+    y = x.float() @ w32.T  # [M, N] float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def quantize_fp8_per_row(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Per-output-channel FP8 quantization (online `--quantization fp8`).
 
@@ -162,7 +195,7 @@ def quantize_fp8_per_row(weight: Tensor) -> tuple[Tensor, Tensor]:
     """
     w = weight.float()
     amax = w.abs().amax(dim=-1)  # [..., N]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = _scale_of(amax)
     q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -171,7 +204,7 @@ def quantize_fp8_per_tensor(weight: Tensor) -> tuple[Tensor, Tensor]:
     """One scale for the whole tensor: (q [N, K] float8_e4m3fn, scale [] float32)."""
     w = weight.float()
     amax = w.abs().amax()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = _scale_of(amax)
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -200,7 +233,7 @@ def quantize_fp8_block(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, 
         block_cols,
     )  # [..., nb, bn, kb, bk]
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = _scale_of(amax)
     full = expand_block_scale(scale, num_rows, num_cols, block)  # [..., N, K]
     q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
