@@ -32,6 +32,7 @@ from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, UnsupportedModelError
 from sits.kernels.fp8_ref import (
     FP8_DTYPE,
+    dequantize_fp8,
     expand_block_scale,
     quantize_fp8_block,
     quantize_fp8_per_row,
@@ -342,9 +343,18 @@ def test_a_weight_that_is_not_fp8_is_named_with_its_dtype(fp8_pair, tmp_path) ->
     assert f"{name} has dtype torch.float32, expected torch.float8_e4m3fn" in str(info.value)
 
 
-def test_spare_experts_and_dummy_weights_are_refused_with_fp8(fp8_pair) -> None:
+def test_spare_experts_are_refused_with_fp8(fp8_pair) -> None:
     quantized, _ = fp8_pair("qwen3_moe", "fp8_block")
     with pytest.raises(InvalidParameterError, match="not supported with FP8 experts"):
         load_model(str(quantized), torch.float32, "cpu", num_spare_experts=2)
-    with pytest.raises(UnsupportedModelError, match="dummy weights"):
-        load_model(str(quantized), torch.float32, "cpu", load_format="dummy")
+
+
+def test_dummy_weights_of_a_block_fp8_checkpoint_are_block_quantized(fp8_pair) -> None:
+    quantized, _ = fp8_pair("qwen3_moe", "fp8_block")
+    model = load_model(str(quantized), torch.float32, "cpu", load_format="dummy", seed=3)
+    experts = next(m for m in model.modules() if isinstance(m, Fp8SparseMoeBlock))
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.block == BLOCK
+    # each 16 x 24 block's largest magnitude maps onto 448 (amax / scale)
+    dequantized = dequantize_fp8(experts.w13[0], experts.w13_scale[0], BLOCK, torch.float32)
+    assert torch.isfinite(dequantized).all() and dequantized.abs().max() > 0
+    assert experts.w13[0].float().abs().max().item() == 448.0
