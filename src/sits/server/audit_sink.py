@@ -216,8 +216,8 @@ class RequestAudit:
         if output.metrics is not None:
             self.arrival_s = output.metrics.arrival_time
             self.first_token_s = output.metrics.first_token_time
-        self.precision = getattr(output, "precision", None) or self.precision
-        self.num_precision_switches = getattr(output, "num_precision_switches", 0)
+        self.precision = output.precision or self.precision
+        self.num_precision_switches = output.num_precision_switches
         for delta in output.outputs:
             self.samples[delta.index].add_delta(delta)
         if output.finished:

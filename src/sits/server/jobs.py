@@ -242,7 +242,7 @@ class GenerationJob:
             if isinstance(item, BaseException):
                 self._num_open = 0
                 raise item
-            self.precision = getattr(item[1], "precision", None) or self.precision
+            self.precision = item[1].precision or self.precision
             return item
 
     def fail(self, exc: BaseException) -> None:
