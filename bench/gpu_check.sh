@@ -187,6 +187,7 @@ if has micro; then
   run moe_bench python3 bench/kernels/moe_bench.py
   run norm_rotary_bench python3 bench/kernels/norm_rotary_bench.py
   run fp8_gemm_bench python3 bench/kernels/fp8_gemm_bench.py
+  run moe_fp8_bench python3 bench/kernels/moe_fp8_bench.py
   run w4a16_bench python3 bench/kernels/w4a16_bench.py
 fi
 if has e2e; then
