@@ -101,7 +101,7 @@ def _reference(model_dir, scheme: str, prompt: list[int], precisions: list[str])
     return tokens
 
 
-def _run_core(core, prompts, max_tokens: int, switch_before: dict[int, str]):
+def run_with_switches(core, prompts, max_tokens: int, switch_before: dict[int, str]):
     """Step the engine core, switching before the steps `switch_before` names; per request
     its (token, precision) pairs and the switch count of its last output."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_a_request_across_switches_equals_each_precision_where_it_ran(
     model_dir = tiny_model_factory(arch)
     llm = _llm(model_dir, precision_switch=scheme, async_scheduling=async_scheduling)
     schedule = {3: scheme, 6: "fp32", 8: scheme}  # step -> the set it and later steps run
-    tokens, switches = _run_core(llm.engine_core, PROMPTS, 12, schedule)
+    tokens, switches = run_with_switches(llm.engine_core, PROMPTS, 12, schedule)
     differs = False
     for i, prompt in enumerate(PROMPTS):
         got = tokens[str(i)]
@@ -164,7 +164,7 @@ def test_100_switches_while_16_requests_run(tiny_model_factory) -> None:
     prompts = [[1 + i, 40 + i, 300 - i, 7] for i in range(16)]
     names = ["int4", "fp32"]
     schedule = {step: names[step % 2] for step in range(2, 102)}  # before steps 2 .. 101
-    tokens, switches = _run_core(core, prompts, 110, schedule)
+    tokens, switches = run_with_switches(core, prompts, 110, schedule)
     assert set(tokens) == {str(i) for i in range(16)}
     assert all(len(t) == 110 for t in tokens.values())
     assert all(n == 100 for n in switches.values())
