@@ -6,6 +6,9 @@ each candidate BLOCK_M (chosen from the mean rows per expert) times GEMM1 and GE
 a bounded list of tile shapes, keeps the fastest of each, and picks the BLOCK_M with the least
 GEMM1 + GEMM2 time. The winner is checked against `moe_ref.moe_forward` (relative error
 < 1e-2) before it is kept; a failing candidate falls back to the next best.
+`--dtype fp8_w8a8` tunes the FP8 experts' kernels (`moe_fp8_triton`, 128 x 128 block scales,
+bf16 activations quantized per token group; BLOCK_K at most 128) against
+`moe_forward_fp8_w8a8_reference` and writes the `fp8_w8a8` file.
 
 Timing: CUDA graph replay between CUDA events, the launch repeated over enough copies of the
 expert weights that one call's weights have left L2 before they are read again (as in serving,
@@ -15,6 +18,7 @@ on-disk cache), so the sweep itself compiles nothing.
 
 Usage (GPU machine, repository root):
     PYTHONPATH=src python3 bench/kernels/moe_tune.py --shape qwen3 [--out-dir DIR]
+    PYTHONPATH=src python3 bench/kernels/moe_tune.py --shape qwen3 --dtype fp8_w8a8
     PYTHONPATH=src python3 bench/kernels/moe_tune.py --num-experts 8 --hidden-size 4096 \
         --intermediate-size 14336 --top-k 2 --time-budget-s 120
 """
@@ -22,6 +26,7 @@ Usage (GPU machine, repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -44,22 +49,27 @@ SHAPES = {  # name: (num_experts, hidden_size, intermediate_size, top_k)
 }
 TOKEN_COUNTS = [2**i for i in range(14)]  # 1 ... 8192
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_W8A8 = "fp8_w8a8"  # --dtype of the FP8 experts (bf16 activations)
+FP8_BLOCK = (128, 128)  # weight scale blocks of the tuned FP8 experts
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """One MoE layer: E experts of width I over hidden size H, top_k per token."""
+    """One MoE layer: E experts of width I over hidden size H, top_k per token; activations
+    in dtype, weights too unless fp8 (float8_e4m3fn with FP8_BLOCK scales, W8A8 kernels)."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
     top_k: int
     dtype: torch.dtype
+    fp8: bool = False
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's w13 and w2."""
-        return 3 * self.hidden_size * self.intermediate_size * self.dtype.itemsize
+        """Bytes of one expert's w13 and w2 (scales not counted)."""
+        itemsize = 1 if self.fp8 else self.dtype.itemsize
+        return 3 * self.hidden_size * self.intermediate_size * itemsize
 
 
 def small_m_candidates():
@@ -95,8 +105,14 @@ def block_m_candidates(num_tokens: int, shape: Shape) -> list[int]:
     return [128]
 
 
-def gemm_candidates(block_m: int):
-    return small_m_candidates() if block_m <= 32 else large_m_candidates()
+def gemm_candidates(block_m: int, fp8: bool = False):
+    """The tile shapes for block_m; fp8: BLOCK_K capped at 128 (it must divide the scale
+    blocks), duplicates dropped."""
+    candidates = small_m_candidates() if block_m <= 32 else large_m_candidates()
+    if not fp8:
+        return candidates
+    capped = [dataclasses.replace(gemm, block_k=min(gemm.block_k, 128)) for gemm in candidates]
+    return list(dict.fromkeys(capped))
 
 
 def random_routing(num_tokens: int, shape: Shape, seed: int, device: str):
@@ -112,15 +128,64 @@ def random_routing(num_tokens: int, shape: Shape, seed: int, device: str):
 
 
 def make_weights(shape: Shape, num_copies: int, device: str, seed: int = 0):
-    """num_copies independent (w13 [E, 2I, H], w2 [E, H, I]), scaled for O(1) activations."""
+    """num_copies independent (w13 [E, 2I, H], w2 [E, H, I]), scaled for O(1) activations;
+    for an fp8 shape (w13, w13_scale, w2, w2_scale) quantized with FP8_BLOCK scales."""
+    from sits.kernels.fp8_ref import quantize_fp8_block
+
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     copies = []
     for _ in range(num_copies):
         w13 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=shape.dtype)
         w2 = torch.randn(e, h, i, generator=gen, device=device, dtype=shape.dtype)
-        copies.append((w13.mul_(h**-0.5), w2.mul_(i**-0.5)))
+        w13, w2 = w13.mul_(h**-0.5), w2.mul_(i**-0.5)
+        if shape.fp8:
+            copies.append((*quantize_fp8_block(w13, FP8_BLOCK), *quantize_fp8_block(w2, FP8_BLOCK)))
+        else:
+            copies.append((w13, w2))
     return copies
+
+
+def gemm_operands(shape: Shape, hidden: torch.Tensor, align) -> dict:
+    """The GEMMs' inputs and outputs for one alignment: hidden, a random intermediate and
+    pair_out; for an fp8 shape also hidden and the intermediate quantized per 128 group."""
+    from sits.kernels.moe_align import max_padded_rows
+
+    rows = max_padded_rows(align.num_pairs, shape.num_experts, align.block_m)
+    inter = torch.randn(rows, shape.intermediate_size, device=hidden.device).to(shape.dtype)
+    operands = {
+        "hidden": hidden,
+        "inter": inter,
+        "pair_out": hidden.new_empty(align.num_pairs, shape.hidden_size),
+    }
+    if shape.fp8:
+        from sits.kernels.fp8_gemm_triton import triton_quant_fp8_group
+
+        operands["hidden_fp8"] = triton_quant_fp8_group(hidden, FP8_BLOCK[1])
+        operands["inter_fp8"] = triton_quant_fp8_group(inter, FP8_BLOCK[1])
+    return operands
+
+
+def launch(kind: str, shape: Shape, operands: dict, weights: tuple, align, gemm) -> None:
+    """One GEMM launch ("gemm1" or "gemm2") of the bf16 or (fp8 shape) the W8A8 kernels."""
+    from sits.kernels.moe_fp8_triton import launch_fp8_gemm1, launch_fp8_gemm2
+    from sits.kernels.moe_triton import launch_gemm1, launch_gemm2
+
+    inter, pair_out = operands["inter"], operands["pair_out"]
+    if not shape.fp8:
+        w13, w2 = weights
+        if kind == "gemm1":
+            launch_gemm1(operands["hidden"], w13, inter, align, shape.top_k, gemm)
+        else:
+            launch_gemm2(inter, w2, pair_out, align, gemm)
+        return
+    w13, s13, w2, s2 = weights
+    if kind == "gemm1":
+        q, scale = operands["hidden_fp8"]
+        launch_fp8_gemm1(q, scale, w13, s13, FP8_BLOCK, inter, align, shape.top_k, gemm)
+    else:
+        q, scale = operands["inter_fp8"]
+        launch_fp8_gemm2(q, scale, w2, s2, FP8_BLOCK, pair_out, align, gemm)
 
 
 def touched_experts(topk_ids: torch.Tensor, num_experts: int) -> int:
@@ -153,24 +218,15 @@ def graph_time_us(fn: Callable[[], object], num_calls: int, device: str) -> floa
 def _compile_one(task: tuple) -> tuple[str, float, str]:
     """Worker: compile (and run once) one GEMM variant on a tiny problem of the real shape."""
     shape, device, kind, block_m, gemm = task
-    from sits.kernels.moe_align import align_pairs_to_experts, max_padded_rows
-    from sits.kernels.moe_triton import launch_gemm1, launch_gemm2
+    from sits.kernels.moe_align import align_pairs_to_experts
 
     start = time.perf_counter()
     try:
-        small = Shape(shape.top_k, shape.hidden_size, shape.intermediate_size, shape.top_k,
-                      shape.dtype)  # fmt: skip
+        small = dataclasses.replace(shape, num_experts=shape.top_k)
         hidden, _, ids = random_routing(1, small, 0, device)
-        ((w13, w2),) = make_weights(small, 1, device)
+        (weights,) = make_weights(small, 1, device)
         align = align_pairs_to_experts(ids, small.num_experts, block_m)
-        rows = max_padded_rows(align.num_pairs, small.num_experts, block_m)
-        inter = hidden.new_zeros(rows, small.intermediate_size)
-        if kind == "gemm1":
-            launch_gemm1(hidden, w13, inter, align, small.top_k, gemm)
-        else:
-            launch_gemm2(
-                inter, w2, hidden.new_empty(align.num_pairs, small.hidden_size), align, gemm
-            )
+        launch(kind, small, gemm_operands(small, hidden, align), weights, align, gemm)
         if device == "cuda":
             torch.cuda.synchronize()
         return kind, time.perf_counter() - start, ""
@@ -212,22 +268,16 @@ class Sweep:
 
 def time_gemm(sweep: Sweep, kind: str, block_m: int, gemm) -> float:
     """Microseconds of one GEMM launch (inf when it fails to compile or launch)."""
-    from sits.kernels.moe_align import align_pairs_to_experts, max_padded_rows
-    from sits.kernels.moe_triton import launch_gemm1, launch_gemm2
+    from sits.kernels.moe_align import align_pairs_to_experts
 
     shape = sweep.shape
     align = align_pairs_to_experts(sweep.topk_ids, shape.num_experts, block_m)
-    rows = max_padded_rows(align.num_pairs, shape.num_experts, block_m)
-    inter = torch.randn(rows, shape.intermediate_size, device=sweep.device).to(shape.dtype)
-    pair_out = sweep.hidden.new_empty(align.num_pairs, shape.hidden_size)
+    operands = gemm_operands(shape, sweep.hidden, align)
     copies = sweep.weights[: sweep.num_copies]
 
     def run() -> None:
-        for w13, w2 in copies:
-            if kind == "gemm1":
-                launch_gemm1(sweep.hidden, w13, inter, align, shape.top_k, gemm)
-            else:
-                launch_gemm2(inter, w2, pair_out, align, gemm)
+        for weights in copies:
+            launch(kind, shape, operands, weights, align, gemm)
 
     try:
         return graph_time_us(run, len(copies), sweep.device)
@@ -237,14 +287,22 @@ def time_gemm(sweep: Sweep, kind: str, block_m: int, gemm) -> float:
 
 
 def check_config(sweep: Sweep, config) -> float:
-    """Relative error of the fused call with config vs moe_forward on copy 0."""
+    """Relative error of the fused call with config vs moe_forward on copy 0 (fp8 shape:
+    fused_moe_fp8 vs moe_forward_fp8_w8a8_reference)."""
+    from sits.kernels.moe_fp8_triton import fused_moe_fp8, moe_forward_fp8_w8a8_reference
     from sits.kernels.moe_ref import moe_forward
     from sits.kernels.moe_triton import fused_moe
 
-    w13, w2 = sweep.weights[0]
-    args = (sweep.hidden, w13, w2, sweep.topk_weights, sweep.topk_ids)
-    out = fused_moe(*args, config).double()
-    expected = moe_forward(*args).double()
+    routing = (sweep.topk_weights, sweep.topk_ids)
+    if sweep.shape.fp8:
+        w13, s13, w2, s2 = sweep.weights[0]
+        args = (sweep.hidden, w13, s13, w2, s2, FP8_BLOCK, *routing)
+        out = fused_moe_fp8(*args, config).double()
+        expected = moe_forward_fp8_w8a8_reference(*args).double()
+    else:
+        w13, w2 = sweep.weights[0]
+        out = fused_moe(sweep.hidden, w13, w2, *routing, config).double()
+        expected = moe_forward(sweep.hidden, w13, w2, *routing).double()
     return float((out - expected).norm() / expected.norm())
 
 
@@ -257,7 +315,7 @@ def tune_token_count(sweep: Sweep, num_tokens: int) -> tuple[object, list[str]]:
         timed = {
             kind: sorted(
                 ((time_gemm(sweep, kind, block_m, gemm), i, gemm) for i, gemm in
-                 enumerate(gemm_candidates(block_m))),
+                 enumerate(gemm_candidates(block_m, sweep.shape.fp8))),
                 key=lambda item: item[:2],
             )
             for kind in ("gemm1", "gemm2")
@@ -296,7 +354,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int)
     parser.add_argument("--intermediate-size", type=int)
     parser.add_argument("--top-k", type=int)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=[*sorted(DTYPES), FP8_W8A8], default="bf16")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--token-counts", default=",".join(map(str, TOKEN_COUNTS)))
     parser.add_argument("--out-dir", default="src/sits/kernels/configs")
@@ -326,14 +384,15 @@ def main(argv: list[str]) -> None:
 
     print("command: " + shlex.join([sys.executable, *sys.argv]), flush=True)
     start = time.perf_counter()
-    dtype = torch.float32 if device == "cpu" else DTYPES[args.dtype]
-    shape = Shape(*args.sizes, dtype)
+    fp8 = args.dtype == FP8_W8A8
+    dtype = torch.float32 if device == "cpu" else DTYPES.get(args.dtype, torch.bfloat16)
+    shape = Shape(*args.sizes, dtype, fp8)
     counts = [int(c) for c in args.token_counts.split(",")]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     print(f"device: {name}; shape: {shape}")
     tasks = sorted(
         {(kind, bm, gemm) for count in counts for bm in block_m_candidates(count, shape)
-         for gemm in gemm_candidates(bm) for kind in ("gemm1", "gemm2")},
+         for gemm in gemm_candidates(bm, fp8) for kind in ("gemm1", "gemm2")},
         key=lambda task: (task[0], task[1], tuple(task[2].to_json().values())),
     )  # fmt: skip
     if args.workers > 0:
@@ -359,7 +418,8 @@ def main(argv: list[str]) -> None:
         print(f"{count} tokens: {json.dumps(table[count].to_json())}", flush=True)
     table = fill_missing(table, counts)
     gpu = device_name_of(torch.device(device))
-    file_name = config_file_name(shape.num_experts, shape.intermediate_size, shape.dtype, gpu)
+    key_dtype = torch.float8_e4m3fn if fp8 else shape.dtype  # the fp8_w8a8 file
+    file_name = config_file_name(shape.num_experts, shape.intermediate_size, key_dtype, gpu)
     path = Path(args.out_dir) / file_name
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = [f' "{count}": {json.dumps(config.to_json())}' for count, config in table.items()]
