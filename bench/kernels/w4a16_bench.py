@@ -48,12 +48,18 @@ SHAPES = {  # name: (N, K)
 }
 MOE_SHAPE = (128, 2048, 768, 8)  # Qwen3-30B-A3B: E, H, I, top_k
 GROUP = 128
-SWEEP = [  # (block_m, block_n, block_k, split_k, num_warps, num_stages)
-    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 128, 2, 4, 4),
-    (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 4, 3), (16, 32, 256, 4, 4, 3),
-    (16, 64, 256, 2, 4, 3), (32, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 3),
-    (64, 128, 64, 1, 4, 4), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3),
-    (128, 128, 128, 1, 8, 3),
+SWEEP = [  # (block_m, block_n, block_k, split_k, num_warps, num_stages, dequantize_first)
+    (16, 32, 128, 1, 4, 4, False), (16, 64, 128, 1, 4, 4, False), (16, 64, 128, 2, 4, 4, False),
+    (16, 64, 128, 4, 4, 4, False), (16, 128, 128, 4, 4, 3, False),
+    (16, 32, 256, 4, 4, 3, False), (16, 64, 256, 2, 4, 3, False), (16, 32, 128, 8, 4, 4, False),
+    (16, 64, 64, 4, 4, 4, False), (32, 64, 128, 1, 4, 4, False), (64, 64, 128, 1, 4, 3, False),
+    (64, 128, 64, 1, 4, 4, False), (128, 128, 64, 1, 8, 3, False),
+    (128, 256, 64, 1, 8, 3, False), (128, 128, 128, 1, 8, 3, False),
+    (64, 64, 128, 1, 4, 3, True),
+]  # fmt: skip
+MOE_SWEEP = [  # (block_n, block_k, group_m, num_warps, num_stages) of both GEMMs
+    (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 64, 1, 4, 4), (32, 256, 1, 4, 3),
+    (128, 64, 8, 4, 3), (128, 128, 8, 8, 3), (64, 128, 8, 4, 3),
 ]  # fmt: skip
 
 
@@ -81,10 +87,10 @@ def sweep_gemm(x, weight, num_rows: int, device: str, reps: int) -> str:
     from sits.kernels.w4a16_gemm_triton import W4a16Config, triton_w4a16_linear
 
     best = (float("inf"), None)
-    for block_m, block_n, block_k, split_k, warps, stages in SWEEP:
+    for block_m, block_n, block_k, split_k, warps, stages, dequant in SWEEP:
         if block_m > 16 and num_rows <= 16 or block_m < 64 and num_rows > 256:
             continue
-        config = W4a16Config(block_m, block_n, block_k, split_k, 8, warps, stages)
+        config = W4a16Config(block_m, block_n, block_k, split_k, 8, warps, stages, dequant)
         try:
             call = functools.partial(triton_w4a16_linear, x, *weight, GROUP, None, config)
             us = time_us(call, device, reps)
@@ -156,7 +162,7 @@ def moe_weights(shape: Shape, count: int, device: str):
     return copies
 
 
-def bench_moe(shape: Shape, weights: list, count: int, device: str) -> str:
+def bench_moe(shape: Shape, weights: list, count: int, device: str, sweep: bool) -> str:
     from sits.kernels.moe_int4_triton import fused_moe_int4
     from sits.kernels.moe_ref import moe_forward_int4
     from sits.kernels.moe_triton import TritonMoe
@@ -182,11 +188,36 @@ def bench_moe(shape: Shape, weights: list, count: int, device: str) -> str:
     w13, w2 = weights[0][1]
     out = fused_moe_int4(hidden, w13, w2, GROUP, topk_weights, topk_ids)
     error = relative_error(out, moe_forward_int4(hidden, w13, w2, GROUP, topk_weights, topk_ids))
-    return (
+    row = (
         f"| {count} | {num_touched} | {int4_us:.1f} | {int4_bytes / int4_us / 1e6:.2f} "
         f"| {bf16_us:.1f} | {bf16_bytes / bf16_us / 1e6:.2f} | {bf16_us / int4_us:.2f}x "
         f"| {error:.1e} |"
     )
+    if sweep:
+        row += "\n  sweep: " + sweep_moe(shape, int4_copies, hidden, topk_weights, topk_ids)
+    return row
+
+
+def sweep_moe(shape: Shape, copies: list, hidden, topk_weights, topk_ids) -> str:
+    """'best config: us' over MOE_SWEEP tiles (both GEMMs alike) and BLOCK_M candidates."""
+    from moe_tune import block_m_candidates
+
+    from sits.kernels.moe_config import GemmConfig, MoeLaunchConfig
+    from sits.kernels.moe_int4_triton import fused_moe_int4
+
+    best = (float("inf"), None)
+    for block_m in block_m_candidates(hidden.shape[0], shape):
+        for block_n, block_k, group_m, warps, stages in MOE_SWEEP:
+            gemm = GemmConfig(block_n, block_k, group_m, warps, stages)
+            config = MoeLaunchConfig(block_m, gemm, gemm)
+
+            def run(config=config) -> None:
+                for _, (w13, w2) in copies:
+                    fused_moe_int4(hidden, w13, w2, GROUP, topk_weights, topk_ids, config)
+
+            us = graph_time_us(run, len(copies), "cuda")
+            best = min(best, (us, config), key=lambda item: item[0])
+    return f"{best[1]}: {best[0]:.1f} us"
 
 
 def main(argv: list[str]) -> None:
@@ -222,7 +253,7 @@ def main(argv: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     weights = moe_weights(shape, 1 if args.device == "cpu" else 12, args.device)
     for count in (int(t) for t in args.moe_tokens.split(",")):
-        print(bench_moe(shape, weights, count, args.device), flush=True)
+        print(bench_moe(shape, weights, count, args.device, args.sweep), flush=True)
 
 
 if __name__ == "__main__":

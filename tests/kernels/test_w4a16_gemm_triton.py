@@ -17,13 +17,19 @@ import torch
 
 pytest.importorskip("triton")
 
-from sits.kernels.int4_ref import pack_int4, quantize_int4, w4a16_linear  # noqa: E402
+from sits.kernels.int4_ref import (  # noqa: E402
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    w4a16_linear,
+)
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
 from sits.kernels.w4a16_gemm_triton import (  # noqa: E402
     W4a16Config,
     config_file_name,
     default_config,
     select_config,
+    triton_dequantize_int4,
     triton_w4a16_linear,
 )
 
@@ -80,6 +86,19 @@ def test_one_token_float16_with_bias(config: W4a16Config) -> None:
     assert_matches_reference(out, w4a16_linear(x, packed, scale, zero, 64, bias))
 
 
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero_point"])
+def test_dequantize_first_path_matches_reference(zero_points: bool) -> None:
+    packed, scale, zero = int4_weight(40, 192, 32, zero_points, seed=9)
+    assert torch.equal(
+        triton_dequantize_int4(packed, scale, zero, 32, torch.float16),
+        dequantize_int4(packed, scale, zero, 32, torch.float16),
+    )  # bit for bit
+    x = randn(5, 192, dtype=torch.float32, seed=10)
+    config = W4a16Config(16, 16, dequantize_first=True)
+    out = triton_w4a16_linear(x, packed, scale, zero, 32, None, config)
+    assert_matches_reference(out, w4a16_linear(x, packed, scale, zero, 32))
+
+
 def test_leading_dimensions_and_default_config() -> None:
     packed, scale, _ = int4_weight(32, 128, 32, False, seed=5)
     x = randn(2, 3, 128, dtype=torch.float32, seed=6)
@@ -119,12 +138,12 @@ def test_tuned_file_is_looked_up_by_rows(tmp_path) -> None:
     assert name == "w4a16_gemm_N4096_K4096_G128_NVIDIA_H200.json"
     entries = {
         "1": {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 4},
-        "64": {"BLOCK_M": 64, "BLOCK_N": 64},
+        "64": {"BLOCK_M": 64, "BLOCK_N": 64, "DEQUANTIZE_FIRST": True},
     }
     (tmp_path / config_file_name(4096, 4096, 128, "cpu")).write_text(json.dumps(entries))
     cpu = torch.device("cpu")
     assert select_config(1, 4096, 4096, 128, cpu, tmp_path) == W4a16Config(16, 32, split_k=4)
-    assert select_config(20, 4096, 4096, 128, cpu, tmp_path).block_m == 64
+    assert select_config(20, 4096, 4096, 128, cpu, tmp_path).dequantize_first
     assert select_config(5000, 4096, 4096, 128, cpu, tmp_path).block_m == 64  # largest key
     assert select_config(5000, 2048, 4096, 128, cpu, tmp_path) == default_config(
         5000, 2048, 4096, 1

@@ -7,7 +7,7 @@ device:
 1. The alignment (`moe_align.align_pairs_to_experts`; a one-token step skips it,
    `moe_align.pair_blocks`), imported as is.
 2. GEMM1 (`moe_int4_gemm1_kernel`): rows of `hidden` gathered by pair times the block's expert
-   gate and up rows, each [BLOCK_N, BLOCK_K] weight tile unpacked from its packed words and
+   gate and up rows, each [BLOCK_K, BLOCK_N] weight tile unpacked from its packed words and
    dequantized with its group scales and zero points (`w4a16_gemm_triton.dequant_int4_tile`)
    before the tl.dot; SiLU(gate) * up in the epilogue, stored to the [max_padded_rows, I]
    intermediate.
@@ -100,8 +100,6 @@ def moe_int4_gemm1_kernel(
     scale_ptr += expert * stride_s_expert
     zero_ptr += expert * stride_z_expert
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
-    num_words = hidden_size // 8
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -110,19 +108,18 @@ def moe_int4_gemm1_kernel(
             mask=(ks < hidden_size - k0)[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        words = k0 // 8 + word_ids
         gate = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, gate_rows, words, words < num_words,
-            stride_p_row, stride_s_row, stride_z_row, GROUP_SIZE // 8, HAS_ZERO, BLOCK_N,
-            BLOCK_K, hidden_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_N, BLOCK_K]
+            packed_ptr, scale_ptr, zero_ptr, gate_rows, k0, hidden_size, stride_p_row,
+            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
+            hidden_ptr.dtype.element_ty,
+        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
         up = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, up_rows, words, words < num_words,
-            stride_p_row, stride_s_row, stride_z_row, GROUP_SIZE // 8, HAS_ZERO, BLOCK_N,
-            BLOCK_K, hidden_ptr.dtype.element_ty,
+            packed_ptr, scale_ptr, zero_ptr, up_rows, k0, hidden_size, stride_p_row,
+            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
+            hidden_ptr.dtype.element_ty,
         )  # fmt: skip
-        acc_gate = tl.dot(a, tl.trans(gate), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=DOT_PRECISION)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BLOCK_M, BLOCK_N] float32
     i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_i_row + cols[None, :]
     tl.store(i_ptrs, act.to(inter_ptr.dtype.element_ty), mask=(cols < inter_size)[None, :])
@@ -173,8 +170,6 @@ def moe_int4_gemm2_kernel(
     scale_ptr += expert * stride_s_expert
     zero_ptr += expert * stride_z_expert
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
-    num_words = inter_size // 8
     a_rows = rows.to(tl.int64)[:, None] * stride_i_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
@@ -183,13 +178,11 @@ def moe_int4_gemm2_kernel(
             mask=(ks < inter_size - k0)[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        words = k0 // 8 + word_ids
         w = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, w_rows, words, words < num_words,
-            stride_p_row, stride_s_row, stride_z_row, GROUP_SIZE // 8, HAS_ZERO, BLOCK_N,
-            BLOCK_K, inter_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            packed_ptr, scale_ptr, zero_ptr, w_rows, k0, inter_size, stride_p_row,
+            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K, inter_ptr.dtype.element_ty,
+        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     o_ptrs = pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_o_pair + cols[None, :]
     mask = (pairs < num_pairs)[:, None] & (cols < hidden_size)[None, :]
     tl.store(o_ptrs, acc.to(pair_out_ptr.dtype.element_ty), mask=mask)

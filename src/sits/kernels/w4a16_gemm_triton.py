@@ -1,10 +1,10 @@
 """Triton kernels: the w4a16 GEMM y = x @ dequantize(W)^T with packed INT4 weights.
 
 Twin of `sits.kernels.int4_ref.w4a16_linear` (dequantize, then matmul). Each program owns a
-[BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps; every step loads
-the [BLOCK_N, BLOCK_K / 8] packed words of the tile's weight rows once, unpacks the 8
-sequential nibbles of each word (`dequant_int4_tile`), applies the word's group zero point and
-scale in float32, casts to the activation dtype and runs one tl.dot accumulated in float32.
+[BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps; every step builds
+the transposed [BLOCK_K, BLOCK_N] weight tile (`dequant_int4_tile`: each column k reads its
+packed word k // 8 and shifts out nibble k % 8), applies the group zero point and scale in
+float32, casts to the activation dtype and runs one tl.dot accumulated in float32.
 The bias is added in float32 and the tile is cast to the activation dtype once.
 
 Decode (few rows) is bound by the weight bytes: a small BLOCK_N and split-K give enough
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -45,6 +46,7 @@ from sits.kernels.triton_utils import cdiv, kernels_interpreted
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 REDUCE_BLOCK_N = 256  # output columns per program of the split-K reduction
+DEQUANT_BLOCK_N, DEQUANT_BLOCK_K = 32, 128  # weight tile per program of `dequant_int4_kernel`
 
 
 @triton.jit
@@ -53,36 +55,45 @@ def dequant_int4_tile(
     scale_ptr,
     zero_ptr,
     rows,
-    words,
-    word_ok,
+    k0,
+    K,
     stride_p,
     stride_s,
     stride_z,
-    GROUP_WORDS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """The [BLOCK_N, BLOCK_K] weight tile (u - zero) * scale in DTYPE.
+    """The [BLOCK_K, BLOCK_N] transposed weight tile (u - zero) * scale of columns k0 + 0 ..
+    BLOCK_K - 1, in DTYPE (the B operand of tl.dot).
 
-    rows [BLOCK_N] int64 weight rows (in bounds); words [BLOCK_K / 8] packed column indices,
-    word_ok [BLOCK_K / 8] their mask (masked words dequantize to 0: scale 0). GROUP_WORDS =
-    G / 8 words share a scale and zero point. Pointers may be offset to an expert already.
+    rows [BLOCK_N] int64 weight rows (in bounds). Columns past K dequantize to 0 (scale 0).
+    Each column loads its word k // 8 (the 8 columns of a word share its cache line) and
+    shifts out nibble k % 8. When GROUP_SIZE is a multiple of BLOCK_K the whole step lies in
+    one group (and K needs no mask: it is a multiple of G): one scale (zero) per row.
+    Pointers may be offset to an expert already.
     """
-    mask = word_ok[None, :]  # [1, BLOCK_K / 8]
-    packed = tl.load(packed_ptr + rows[:, None] * stride_p + words[None, :], mask=mask, other=0)
-    groups = words // GROUP_WORDS  # [BLOCK_K / 8]
-    scale = tl.load(scale_ptr + rows[:, None] * stride_s + groups[None, :], mask=mask, other=0.0)
-    shifts = tl.arange(0, 8) * 4  # [8] sequential nibbles
-    codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K / 8, 8]
-    if HAS_ZERO:
-        zero = tl.load(zero_ptr + rows[:, None] * stride_z + groups[None, :], mask=mask, other=0)
-        offset = zero.to(tl.float32)[:, :, None]
+    ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k_ok = (ks < K)[:, None]  # [BLOCK_K, 1]
+    packed = tl.load(packed_ptr + rows[None, :] * stride_p + (ks // 8)[:, None], mask=k_ok, other=0)
+    codes = (packed >> ((ks % 8) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N]
+    if GROUP_SIZE % BLOCK_K == 0:
+        group = k0 // GROUP_SIZE
+        scale = tl.load(scale_ptr + rows * stride_s + group)[None, :]  # [1, BLOCK_N]
+        if HAS_ZERO:
+            offset = tl.load(zero_ptr + rows * stride_z + group).to(tl.float32)[None, :]
+        else:
+            offset = 8.0
     else:
-        offset = 8.0
-    w = (codes.to(tl.float32) - offset) * scale[:, :, None]  # float32, exact as the reference
-    return tl.reshape(w.to(DTYPE), [BLOCK_N, BLOCK_K])
+        groups = (ks // GROUP_SIZE)[:, None]  # [BLOCK_K, 1]
+        scale = tl.load(scale_ptr + rows[None, :] * stride_s + groups, mask=k_ok, other=0.0)
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + rows[None, :] * stride_z + groups, mask=k_ok, other=0)
+            offset = zero.to(tl.float32)
+        else:
+            offset = 8.0
+    return ((codes.to(tl.float32) - offset) * scale).to(DTYPE)  # float32 as the reference
 
 
 @triton.jit
@@ -138,7 +149,6 @@ def w4a16_gemm_kernel(
     first_step = pid_k * steps_per_split
     last_step = min(first_step + steps_per_split, num_steps)
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_step, last_step):
         k0 = step * BLOCK_K
@@ -148,13 +158,11 @@ def w4a16_gemm_kernel(
             mask=mask_m[:, None] & (offs_k < K)[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
-        words = k0 // 8 + word_ids
         w = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, rows_n, words, words < K // 8,
-            stride_pn, stride_sn, stride_zn, GROUP_SIZE // 8, HAS_ZERO, BLOCK_N, BLOCK_K,
-            x_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            packed_ptr, scale_ptr, zero_ptr, rows_n, k0, K, stride_pn, stride_sn, stride_zn,
+            GROUP_SIZE, HAS_ZERO, BLOCK_K, x_ptr.dtype.element_ty,
+        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -193,6 +201,35 @@ def splitk_reduce_kernel(
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def dequant_int4_kernel(
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_pn,
+    stride_sn,
+    stride_zn,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (row block, column block): out[rows, cols] = dequantized weight, out's dtype."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k0 = tl.program_id(1) * BLOCK_K
+    w = dequant_int4_tile(
+        packed_ptr, scale_ptr, zero_ptr, (rows % N).to(tl.int64), k0, K, stride_pn, stride_sn,
+        stride_zn, GROUP_SIZE, HAS_ZERO, BLOCK_K, out_ptr.dtype.element_ty,
+    )  # fmt: skip  # [BLOCK_K, BLOCK_N]
+    cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_on + cols[:, None]
+    tl.store(o_ptrs, w, mask=(rows < N)[None, :] & (cols < K)[:, None])
+
+
 @dataclass(frozen=True, slots=True)
 class W4a16Config:
     """Launch shape of the w4a16 GEMM.
@@ -202,6 +239,10 @@ class W4a16Config:
         split_k: K splits, each its own program (>= 1; > 1 adds the reduction launch).
         group_m: row tiles swept together for L2 reuse of weight tiles (>= 1).
         num_warps, num_stages: Triton launch parameters.
+        dequantize_first: instead of the fused GEMM, dequantize the whole weight to the
+            activation dtype (`dequant_int4_kernel`) and multiply with cuBLAS (`F.linear`):
+            cheaper for many rows, where the fused GEMM dequantizes each weight tile once per
+            row tile; the tile fields are then unused.
     """
 
     block_m: int
@@ -211,6 +252,7 @@ class W4a16Config:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    dequantize_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -224,7 +266,7 @@ class W4a16Config:
     @classmethod
     def from_json(cls, entry: dict) -> W4a16Config:
         """Parse {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M", "num_warps",
-        "num_stages"} (all but BLOCK_M and BLOCK_N optional)."""
+        "num_stages", "DEQUANTIZE_FIRST"} (all but BLOCK_M and BLOCK_N optional)."""
         return cls(
             block_m=int(entry["BLOCK_M"]),
             block_n=int(entry["BLOCK_N"]),
@@ -233,6 +275,7 @@ class W4a16Config:
             group_m=int(entry.get("GROUP_M", 8)),
             num_warps=int(entry.get("num_warps", 4)),
             num_stages=int(entry.get("num_stages", 3)),
+            dequantize_first=bool(entry.get("DEQUANTIZE_FIRST", False)),
         )
 
 
@@ -309,6 +352,26 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
+def triton_dequantize_int4(
+    packed: Tensor, scale: Tensor, zero: Tensor | None, group_size: int, dtype: torch.dtype
+) -> Tensor:
+    """`int4_ref.dequantize_int4` (no g_idx) in one launch: [N, K] in `dtype`, bit-identical.
+
+    Args: packed [N, K / 8] int32, scale [N, K / G] float32, zero [N, K / G] uint8 or None,
+    each with unit stride along its last dimension; group_size G.
+    """
+    num_cols, num_inner = packed.shape[0], packed.shape[1] * PACK
+    out = torch.empty(num_cols, num_inner, dtype=dtype, device=packed.device)
+    grid = (cdiv(num_cols, DEQUANT_BLOCK_N), cdiv(num_inner, DEQUANT_BLOCK_K))
+    dequant_int4_kernel[grid](
+        packed, scale, zero if zero is not None else packed, out, num_cols, num_inner,
+        packed.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0,
+        out.stride(0), GROUP_SIZE=group_size, HAS_ZERO=zero is not None,
+        BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def triton_w4a16_linear(
     x: Tensor,
     packed: Tensor,
@@ -360,6 +423,9 @@ def triton_w4a16_linear(
         return out.reshape(*x.shape[:-1], num_cols)
     if config is None:
         config = select_config(num_rows, num_cols, num_inner, group_size, x.device)
+    if config.dequantize_first:
+        weight = triton_dequantize_int4(packed, scale, zero, group_size, x.dtype)  # [N, K]
+        return F.linear(x, weight, bias)
     split_k = min(config.split_k, cdiv(num_inner, config.block_k))
     target = (
         out if split_k == 1 else out.new_empty(split_k, num_rows, num_cols, dtype=torch.float32)
