@@ -75,6 +75,9 @@ def test_the_twin_shares_unquantized_tensors_and_equals_a_quantized_engine(
     assert shared == expected
     assert any(name.endswith(".bias") for name in shared) == (arch == "qwen2")
     assert any(name.endswith("mlp.gate.weight") for name in shared) == (arch == "qwen3_moe")
+    if arch == "qwen3_moe":  # one expert state: a frozen expert is frozen in both sets
+        blocks = (full.model.layers[1].mlp, twin.model.layers[1].mlp)
+        assert blocks[0].expert_state() is blocks[1].expert_state()
     full_tokens = _greedy(llm, PROMPTS)
     assert llm.set_precision(scheme).current == scheme
     twin_tokens = _greedy(llm, PROMPTS)

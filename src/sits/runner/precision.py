@@ -100,6 +100,8 @@ def load_twin(
         budget_bytes=budget_bytes,
     )
     twin = build_twin(full, twin, param.device)
+    if param.device.type == "cuda":
+        torch.cuda.empty_cache()  # the quantizers' temporaries: the KV sizing reads free memory
     logger.info(
         "precision switch: %s weights %.1f MiB beside the model-dtype %.1f MiB",
         scheme,
