@@ -6,7 +6,11 @@ block scales (the Qwen3-*-FP8 format) and 1, 16, 256 and 4,096 tokens in bfloat1
 the reference of the mode the kernel runs at that size (`fp8_linear_weight_only_reference` for
 "w8a16", `fp8_linear_w8a8_reference` with activations quantized the same way for "w8a8"):
 both are float32 sums of the same exact products, so after the cast to bfloat16 they differ by one
-bf16 ulp where the summation order moves a rounding. Also: the activation quantization matches
+bf16 ulp where the summation order moves a rounding. In "w8a8" mode Hopper's FP8 tensor cores
+add the products in fixed point with about 14 bits kept per product (DeepSeek-V3 report, sec.
+3.5.2), so the tolerance there is a relative error norm of 5e-3 and 1 % of the output's largest
+magnitude per element: far below the 3.7 % that FP8 activations cost against bf16, so a wrong
+scale or tile still fails. Also: the activation quantization matches
 torch's bit for bit, per-channel and per-tensor scales, `fp8_linear` dispatches to the kernel on
 CUDA, the W8A8 result stays within FP8 activation rounding of the weight-only reference, and
 the two kernels are captured in a CUDA graph and replayed over new inputs.
@@ -55,6 +59,7 @@ SHAPES = {  # name: (N, K)
     "qwen3_30b_o": (2048, 4096),
 }
 MAX_MISMATCH_FRACTION = 2e-2  # elements one bf16 ulp apart (summation order)
+W8A8_MAX_RELATIVE_ERROR = 5e-3  # Hopper FP8 tensor-core accumulation (module docstring)
 
 
 def randn(*shape: int, seed: int, std: float = 1.0) -> torch.Tensor:
@@ -75,8 +80,14 @@ def reference(x, weight, scale, bias, block, mode: str | None = None) -> torch.T
     return fp8_linear_w8a8_reference(x, weight, scale, bias, block, group_size=group)
 
 
-def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor, mode: str = "w8a16") -> None:
+    """Weight-only: one bf16 ulp on few elements. W8A8: Hopper's FP8 accumulation (above)."""
     scale = expected.float().abs().max().item()
+    if mode == "w8a8":
+        error = (out.float() - expected.float()).norm() / expected.float().norm()
+        assert error.item() <= W8A8_MAX_RELATIVE_ERROR
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-2 * scale)
+        return
     torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-3 * scale)  # 1 bf16 ulp
     assert (out != expected).float().mean().item() <= MAX_MISMATCH_FRACTION
 
@@ -89,7 +100,8 @@ def test_gemm_matches_reference_at_real_shapes(shape: str, num_rows: int) -> Non
     x = randn(num_rows, num_inner, seed=num_rows).to(DTYPE)
     out = triton_fp8_linear(x, weight, scale, None, BLOCK)
     assert out.shape == (num_rows, num_cols) and out.dtype == DTYPE
-    assert_bf16_close(out, reference(x, weight, scale, None, BLOCK))
+    mode = fp8_gemm_mode(num_rows)
+    assert_bf16_close(out, reference(x, weight, scale, None, BLOCK), mode)
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
@@ -98,7 +110,7 @@ def test_both_modes_at_every_size_with_per_row_scales(num_rows: int, mode: str) 
     weight, scale = quantize_fp8_per_row(randn(4096, 14336, seed=12, std=0.02))
     x = randn(num_rows, 14336, seed=13).to(DTYPE)
     out = triton_fp8_linear(x, weight, scale, None, None, mode=mode)
-    assert_bf16_close(out, reference(x, weight, scale, None, None, mode))
+    assert_bf16_close(out, reference(x, weight, scale, None, None, mode), mode)
 
 
 @pytest.mark.parametrize("num_rows", [16, 4096])
@@ -118,7 +130,7 @@ def test_per_channel_and_per_tensor_scales(scheme: str) -> None:
     x = randn(256, 4096, seed=3).to(DTYPE)
     bias = randn(6144, seed=4).to(DTYPE)
     out = triton_fp8_linear(x, weight, scale, bias, None)
-    assert_bf16_close(out, reference(x, weight, scale, bias, None))
+    assert_bf16_close(out, reference(x, weight, scale, bias, None), fp8_gemm_mode(256))
 
 
 @pytest.mark.parametrize(
@@ -131,7 +143,7 @@ def test_other_launch_configs_compile_and_agree(config: Fp8GemmConfig) -> None:
     x = randn(300, 2048 + 64, seed=6).to(DTYPE)
     for mode in ("w8a16", "w8a8"):
         out = triton_fp8_linear(x, weight, scale, None, BLOCK, config=config, mode=mode)
-        assert_bf16_close(out, reference(x, weight, scale, None, BLOCK, mode))
+        assert_bf16_close(out, reference(x, weight, scale, None, BLOCK, mode), mode)
 
 
 def test_fp8_linear_dispatches_to_the_kernel_and_stays_near_weight_only() -> None:

@@ -27,6 +27,7 @@ from sits.kernels.moe_config import (  # noqa: E402
     MoeLaunchConfig,
     config_file_name,
     default_config,
+    device_name_of,
 )
 from sits.kernels.moe_fp8_triton import (  # noqa: E402
     fused_moe_fp8,
@@ -164,6 +165,10 @@ def test_fp8_configs_have_their_own_file_and_default(tmp_path) -> None:
         assert config.block_m == default_config(num_tokens, 8, 128).block_m
     backend = TritonMoe(config_dir=tmp_path)
     x, q13, s13, q2, s2, weights, ids = make_inputs(30, 4, 2, 64, 32, BLOCK, seed=7)
+    gpu = device_name_of(x.device)  # "cpu" in the interpreter, the GPU's name compiled
+    (tmp_path / config_file_name(4, 32, FP8_DTYPE, gpu)).write_text(
+        json.dumps({"64": WIDE.to_json()})
+    )
     assert backend.launch_config(x, q2, 2, FP8_DTYPE) == WIDE
     out = backend.experts_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids)  # the tuned entry
     assert_matches_references(out, x, q13, s13, q2, s2, BLOCK, weights, ids)

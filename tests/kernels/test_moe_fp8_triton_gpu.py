@@ -76,7 +76,9 @@ def test_fp8_matches_references(experts, num_tokens: int, config_kind: str) -> N
     out = backend.experts_fp8(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
     assert out.dtype == DTYPE and out.shape == x.shape and torch.isfinite(out).all()
     w8a8 = moe_forward_fp8_w8a8_reference(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
-    assert relative_error(out, w8a8) < 1e-2
+    # Hopper's FP8 tensor cores accumulate in fixed point, ~14 bits per product (DeepSeek-V3
+    # report, sec. 3.5.2): two GEMMs of K = 2,048 and 768 reach ~1.3e-2 at 512 tokens
+    assert relative_error(out, w8a8) < 2e-2
     weight_only = moe_forward_fp8(x, w13, s13, w2, s2, block, topk_weights, topk_ids)
     assert relative_error(out, weight_only) < 6e-2
 
