@@ -63,6 +63,9 @@
 #            offline 256 x 512/128 and 2048-token TTFT without (--no-...) and with them
 #   quant_kernels  the GPU and interpreter tests of the FP8 / INT4 kernels and their
 #            micro-benchmarks (FP8 GEMM, fused FP8 MoE, w4a16 GEMM and MoE when present)
+#   moe_fp8_tune  the fused FP8 MoE tuner for Qwen3-30B-A3B (its JSON lands in the tree, so later
+#            sections use it, and in $OUT_DIR); MOE_TUNE_BUDGET_S bounds it (default 150)
+#   precision_tests  the precision switch's GPU tests (engine and server; carry .whl)
 #   fp8_tune the FP8 GEMM tuner (bench/kernels/fp8_gemm_tune.py); JSON configs to
 #            $OUT_DIR/fp8_configs (FP8_TUNE_TOKENS: the token counts, default 1,16,64,256,1024,4096)
 #   quant    issue-25 end-to-end figures, each quantized run beside bf16 in the same call:
@@ -323,9 +326,18 @@ if has quant_kernels; then
   run quant_kernel_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     -m "gpu or not gpu" "${qk[@]}"
   run fp8_gemm_bench python3 bench/kernels/fp8_gemm_bench.py
-  for b in moe_fp8_bench w4a16_bench; do
-    [[ -e bench/kernels/$b.py ]] && run "$b" python3 bench/kernels/$b.py
-  done
+  run moe_fp8_bench_block python3 bench/kernels/moe_fp8_bench.py --scales block
+  run moe_fp8_bench_channel python3 bench/kernels/moe_fp8_bench.py --scales channel
+  run w4a16_bench python3 bench/kernels/w4a16_bench.py
+fi
+if has moe_fp8_tune; then  # the fused FP8 MoE's configs for Qwen3-30B-A3B, into the tree
+  run moe_fp8_tune python3 bench/kernels/moe_tune.py --shape qwen3 --dtype fp8_w8a8 \
+    --time-budget-s "${MOE_TUNE_BUDGET_S:-150}"
+  cp src/sits/kernels/configs/moe_*fp8_w8a8*.json "$OUT_DIR/" 2>/dev/null
+fi
+if has precision_tests; then  # the precision switch on the GPU (the server test needs .whl)
+  run precision_tests python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+    tests/engine/test_precision_switch_gpu.py tests/server/test_precision_gpu.py
 fi
 if has fp8_tune; then
   run fp8_tune python3 bench/kernels/fp8_gemm_tune.py --out-dir "$OUT_DIR/fp8_configs" \
