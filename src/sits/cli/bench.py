@@ -9,6 +9,9 @@
   `generate_batch` on the same weights); see `sits.bench.offline`.
 - `latency`: TTFT and TPOT of one fixed batch, timed on the engine's steps; see
   `sits.bench.latency`.
+- `precision-switch`: the runtime precision switch under load through `AsyncLLM`: each
+  switch's delay to its first step and output tok/s per precision; see
+  `sits.bench.precision_switch`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` with its subcommands to an argparse subparsers object; returns its parser."""
-    from sits.bench import latency, offline
+    from sits.bench import latency, offline, precision_switch
     from sits.bench.qos_compare import add_qos_args, run_qos
     from sits.bench.serve import DESCRIPTION, add_serve_bench_args, run_serve_bench
 
@@ -27,7 +30,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bench", help="benchmarks (online serving, QoS comparison, offline throughput, latency)"
     )
     sub = p.add_subparsers(
-        dest="bench_command", required=True, metavar="{serve,qos,throughput,latency}"
+        dest="bench_command",
+        required=True,
+        metavar="{serve,qos,throughput,latency,precision-switch}",
     )
     serve = sub.add_parser(
         "serve",
@@ -55,4 +60,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     latency.add_latency_args(latency_parser)
     latency_parser.set_defaults(func=latency.run_latency)
+    switch = sub.add_parser(
+        "precision-switch",
+        help="the precision switch under load (delay, throughput per precision)",
+        description=precision_switch.DESCRIPTION,
+    )
+    precision_switch.add_precision_switch_args(switch)
+    switch.set_defaults(func=precision_switch.run_precision_switch)
     return p
