@@ -9,6 +9,8 @@
   `generate_batch` on the same weights); see `sits.bench.offline`.
 - `latency`: TTFT and TPOT of one fixed batch, timed on the engine's steps; see
   `sits.bench.latency`.
+- `perplexity`: perplexity of the held-out stdlib files under bf16, fp8 and int4 weights;
+  see `sits.bench.perplexity`.
 - `precision-switch`: the runtime precision switch under load through `AsyncLLM`: each
   switch's delay to its first step and output tok/s per precision; see
   `sits.bench.precision_switch`.
@@ -22,17 +24,18 @@ from typing import Any
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `bench` with its subcommands to an argparse subparsers object; returns its parser."""
-    from sits.bench import latency, offline, precision_switch
+    from sits.bench import latency, offline, perplexity, precision_switch
     from sits.bench.qos_compare import add_qos_args, run_qos
     from sits.bench.serve import DESCRIPTION, add_serve_bench_args, run_serve_bench
 
     p = subparsers.add_parser(
-        "bench", help="benchmarks (online serving, QoS comparison, offline throughput, latency)"
+        "bench",
+        help="benchmarks (online serving, QoS comparison, offline throughput, latency, perplexity)",
     )
     sub = p.add_subparsers(
         dest="bench_command",
         required=True,
-        metavar="{serve,qos,throughput,latency,precision-switch}",
+        metavar="{serve,qos,throughput,latency,perplexity,precision-switch}",
     )
     serve = sub.add_parser(
         "serve",
@@ -60,6 +63,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     latency.add_latency_args(latency_parser)
     latency_parser.set_defaults(func=latency.run_latency)
+    ppl = sub.add_parser(
+        "perplexity",
+        help="held-out perplexity of bf16, fp8 and int4 weights",
+        description=perplexity.DESCRIPTION,
+    )
+    perplexity.add_perplexity_args(ppl)
+    ppl.set_defaults(func=perplexity.run_perplexity)
     switch = sub.add_parser(
         "precision-switch",
         help="the precision switch under load (delay, throughput per precision)",
