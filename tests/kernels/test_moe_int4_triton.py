@@ -22,9 +22,9 @@ from sits.kernels.moe_ref import moe_forward_int4, select_experts  # noqa: E402
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
-SMALL = MoeLaunchConfig(16, GemmConfig(16, 64, 1), GemmConfig(32, 32, 2))  # ragged H steps
-WIDE = MoeLaunchConfig(32, GemmConfig(32, 32, 4), GemmConfig(16, 128, 1))  # ragged I step
-E, H, I, TOP_K = 6, 96, 64, 2
+SMALL = MoeLaunchConfig(16, GemmConfig(16, 128, 1), GemmConfig(32, 128, 2))  # ragged H step
+WIDE = MoeLaunchConfig(32, GemmConfig(32, 256, 4), GemmConfig(16, 128, 1))  # ragged I step
+E, H, I, TOP_K = 6, 192, 64, 2
 
 
 def int4_experts(rows: int, cols: int, group: int, zero_points: bool, gen: torch.Generator):
@@ -108,3 +108,6 @@ def test_refuses_other_layouts() -> None:
         fused_moe_int4(x, (w13[0], w13[1][:, :, :1], w13[2]), w2, 16, weights, ids, SMALL)
     with pytest.raises(ValueError, match="w2 zero"):
         fused_moe_int4(x, w13, (*w2[:2], w2[2].float()), 16, weights, ids, SMALL)
+    narrow_k = MoeLaunchConfig(16, GemmConfig(16, 64), GemmConfig(16, 128))
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        fused_moe_int4(x, w13, w2, 16, weights, ids, narrow_k)

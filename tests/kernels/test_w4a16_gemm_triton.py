@@ -34,8 +34,8 @@ from sits.kernels.w4a16_gemm_triton import (  # noqa: E402
 )
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
-SMALL = W4a16Config(16, 16, 32, split_k=1, group_m=2, num_warps=4, num_stages=2)
-SPLIT = W4a16Config(16, 32, 64, split_k=3, group_m=1, num_warps=4, num_stages=2)
+SMALL = W4a16Config(16, 16, 128, split_k=1, group_m=2, num_warps=4, num_stages=2)
+SPLIT = W4a16Config(16, 32, 128, split_k=3, group_m=1, num_warps=4, num_stages=2)
 
 
 def int4_weight(num_cols: int, num_inner: int, group: int, zero_points: bool, seed: int):
@@ -122,6 +122,8 @@ def test_zero_rows_and_bad_shapes() -> None:
         triton_w4a16_linear(x, packed, scale[:, :1], zero, 32)
     with pytest.raises(ValueError, match="power of two"):
         W4a16Config(16, 24)
+    with pytest.raises(ValueError, match="block_k"):
+        W4a16Config(16, 32, 64)
 
 
 def test_default_config_splits_k_for_decode_only() -> None:
@@ -129,8 +131,8 @@ def test_default_config_splits_k_for_decode_only() -> None:
     assert decode.block_m == 16 and decode.split_k == 8  # 64 column tiles -> 528 programs
     assert default_config(1, 28672, 4096, num_sms=132).split_k == 2
     assert default_config(16, 4096, 256, num_sms=132).split_k == 1  # K too short to split
-    assert default_config(4096, 4096, 4096, num_sms=132).split_k == 1
-    assert default_config(4096, 4096, 4096, num_sms=132).block_m == 128
+    assert not default_config(128, 4096, 4096, num_sms=132).dequantize_first
+    assert default_config(4096, 4096, 4096, num_sms=132).dequantize_first  # prefill: cuBLAS
 
 
 def test_tuned_file_is_looked_up_by_rows(tmp_path) -> None:

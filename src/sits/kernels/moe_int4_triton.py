@@ -7,10 +7,10 @@ device:
 1. The alignment (`moe_align.align_pairs_to_experts`; a one-token step skips it,
    `moe_align.pair_blocks`), imported as is.
 2. GEMM1 (`moe_int4_gemm1_kernel`): rows of `hidden` gathered by pair times the block's expert
-   gate and up rows, each [BLOCK_K, BLOCK_N] weight tile unpacked from its packed words and
-   dequantized with its group scales and zero points (`w4a16_gemm_triton.dequant_int4_tile`)
-   before the tl.dot; SiLU(gate) * up in the epilogue, stored to the [max_padded_rows, I]
-   intermediate.
+   gate and up rows. Each K step loads the packed words of the tile once and runs one tl.dot
+   per nibble position, as the dense w4a16 GEMM does (`w4a16_gemm_triton.load_int4_words`,
+   `int4_plane`: weights dequantized with their group scales and zero points in float32);
+   SiLU(gate) * up in the epilogue, stored to the [max_padded_rows, I] intermediate.
 3. GEMM2 (`moe_int4_gemm2_kernel`): intermediate rows times the dequantized w2 tiles, each
    expert output row rounded to the activation dtype and stored at its pair id.
 4. The top-k sum and non-finite flags: `moe_triton.launch_topk_sum`, imported as is.
@@ -44,10 +44,10 @@ from sits.kernels.moe_align import (
     max_padded_rows,
     pair_blocks,
 )
-from sits.kernels.moe_config import GemmConfig, MoeLaunchConfig, default_config
+from sits.kernels.moe_config import GemmConfig, MoeLaunchConfig
 from sits.kernels.moe_triton import _block_rows, _tile_of, launch_topk_sum
 from sits.kernels.triton_utils import cdiv
-from sits.kernels.w4a16_gemm_triton import dequant_int4_tile
+from sits.kernels.w4a16_gemm_triton import MIN_BLOCK_K, int4_plane, load_int4_words
 
 Int4Experts = tuple[Tensor, Tensor, Tensor | None]  # (packed, scale, zero or None)
 
@@ -99,27 +99,29 @@ def moe_int4_gemm1_kernel(
     packed_ptr += expert * stride_p_expert
     scale_ptr += expert * stride_s_expert
     zero_ptr += expert * stride_z_expert
-    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
+    num_words = hidden_size // 8
+    a_rows = hidden_ptr + tokens[:, None] * stride_h_token  # [BLOCK_M, 1]
+    dtype = hidden_ptr.dtype.element_ty
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
-        a = tl.load(
-            hidden_ptr + tokens[:, None] * stride_h_token + (k0 + ks)[None, :],
-            mask=(ks < hidden_size - k0)[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        gate = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, gate_rows, k0, hidden_size, stride_p_row,
+    for word0 in range(0, num_words, BLOCK_K // 8):
+        words = word0 + word_ids  # [BLOCK_K / 8]
+        gate_packed, gate_scale, gate_offset = load_int4_words(
+            packed_ptr, scale_ptr, zero_ptr, gate_rows, word0, num_words, stride_p_row,
             stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
-            hidden_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
-        up = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, up_rows, k0, hidden_size, stride_p_row,
-            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
-            hidden_ptr.dtype.element_ty,
         )  # fmt: skip
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        up_packed, up_scale, up_offset = load_int4_words(
+            packed_ptr, scale_ptr, zero_ptr, up_rows, word0, num_words, stride_p_row,
+            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
+        )  # fmt: skip
+        a_ok = (words < num_words)[None, :]  # [1, BLOCK_K / 8]
+        for j in tl.static_range(8):  # columns 8 * word + j: one dot per nibble
+            a = tl.load(a_rows + (words * 8 + j)[None, :], mask=a_ok, other=0.0)
+            gate = int4_plane(gate_packed, gate_scale, gate_offset, j, dtype)
+            up = int4_plane(up_packed, up_scale, up_offset, j, dtype)
+            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BLOCK_M, BLOCK_N] float32
     i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_i_row + cols[None, :]
     tl.store(i_ptrs, act.to(inter_ptr.dtype.element_ty), mask=(cols < inter_size)[None, :])
@@ -169,20 +171,21 @@ def moe_int4_gemm2_kernel(
     packed_ptr += expert * stride_p_expert
     scale_ptr += expert * stride_s_expert
     zero_ptr += expert * stride_z_expert
-    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    a_rows = rows.to(tl.int64)[:, None] * stride_i_row
+    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
+    num_words = inter_size // 8
+    a_rows = inter_ptr + rows.to(tl.int64)[:, None] * stride_i_row  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        a = tl.load(
-            inter_ptr + a_rows + (k0 + ks)[None, :],
-            mask=(ks < inter_size - k0)[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, w_rows, k0, inter_size, stride_p_row,
-            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K, inter_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    for word0 in range(0, num_words, BLOCK_K // 8):
+        words = word0 + word_ids  # [BLOCK_K / 8]
+        packed, scale, offset = load_int4_words(
+            packed_ptr, scale_ptr, zero_ptr, w_rows, word0, num_words, stride_p_row,
+            stride_s_row, stride_z_row, GROUP_SIZE, HAS_ZERO, BLOCK_K,
+        )  # fmt: skip
+        a_ok = (words < num_words)[None, :]  # [1, BLOCK_K / 8]
+        for j in tl.static_range(8):  # columns 8 * word + j: one dot per nibble
+            a = tl.load(a_rows + (words * 8 + j)[None, :], mask=a_ok, other=0.0)
+            w = int4_plane(packed, scale, offset, j, inter_ptr.dtype.element_ty)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     o_ptrs = pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_o_pair + cols[None, :]
     mask = (pairs < num_pairs)[:, None] & (cols < hidden_size)[None, :]
     tl.store(o_ptrs, acc.to(pair_out_ptr.dtype.element_ty), mask=mask)
@@ -265,6 +268,18 @@ def launch_int4_gemm2(
     )  # fmt: skip
 
 
+def default_int4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeLaunchConfig:
+    """Untuned launch shapes by mean rows per expert (T * k / E), as `moe_config.default_config`
+    but with BLOCK_K 128 (each nibble's dot spans BLOCK_K / 8 = 16 columns): decode streams
+    the touched experts' weights over narrow column tiles; prefill takes 64-row blocks."""
+    rows_per_expert = num_tokens * top_k / max(1, num_experts)
+    if rows_per_expert <= 16:
+        narrow = GemmConfig(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return MoeLaunchConfig(16, narrow, narrow)
+    wide = GemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    return MoeLaunchConfig(64, wide, wide)
+
+
 def _check_experts(experts: Int4Experts, rows: int, cols: int, group_size: int, what: str) -> None:
     """Refuse expert weights not in the `kernels.int4_ref` layout (ValueError)."""
     packed, scale, zero = experts
@@ -301,15 +316,15 @@ def fused_moe_int4(
         group_size: G, a multiple of 8 dividing H and I.
         topk_weights: [T, k] float32 (other float dtypes are converted).
         topk_ids: [T, k] int32/int64 in [0, E), or -1 for no expert (a padding token).
-        config: launch shapes (`moe_config`; BLOCK_K a multiple of 8); None:
-            `moe_config.default_config` by rows per expert.
+        config: launch shapes (`moe_config`; BLOCK_K >= 128); None: `default_int4_config`.
         nonfinite_experts: optional [E] bool, set in place on the device (`moe_triton`).
 
     Returns:
         [T, H] in hidden's dtype.
 
     Raises:
-        ValueError: weights not in the layout above, or G not a multiple of 8 dividing H and I.
+        ValueError: weights not in the layout above, G not a multiple of 8 dividing H and I,
+            or a BLOCK_K below 128.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = w13[0].shape[0], topk_ids.shape[1]
@@ -324,7 +339,9 @@ def fused_moe_int4(
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
     if config is None:
-        config = default_config(num_tokens, top_k, num_experts)
+        config = default_int4_config(num_tokens, top_k, num_experts)
+    if min(config.gemm1.block_k, config.gemm2.block_k) < MIN_BLOCK_K:
+        raise ValueError(f"BLOCK_K must be >= {MIN_BLOCK_K} for INT4 experts: {config}")
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if num_tokens == 1:  # k distinct experts: a block per pair, no alignment launch

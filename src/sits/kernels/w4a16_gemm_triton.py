@@ -1,10 +1,15 @@
 """Triton kernels: the w4a16 GEMM y = x @ dequantize(W)^T with packed INT4 weights.
 
 Twin of `sits.kernels.int4_ref.w4a16_linear` (dequantize, then matmul). Each program owns a
-[BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps; every step builds
-the transposed [BLOCK_K, BLOCK_N] weight tile (`dequant_int4_tile`: each column k reads its
-packed word k // 8 and shifts out nibble k % 8), applies the group zero point and scale in
-float32, casts to the activation dtype and runs one tl.dot accumulated in float32.
+[BLOCK_M, BLOCK_N] output tile and walks its share of K in BLOCK_K steps; every step loads the
+[BLOCK_K / 8, BLOCK_N] packed words of its weight rows once (`load_int4_words`) and runs eight
+tl.dots accumulated in float32, one per nibble position j (`int4_plane`): the weights of
+columns 8 * word + j, dequantized with the group zero point and scale in float32 and cast to
+the activation dtype, times the activation columns 8 * word + j (a stride-8 load of x). A dot
+product is a sum over K in any order, so no unpacked tile is ever reshaped or transposed.
+Many rows (prefill) instead dequantize the weight once (`dequant_int4_kernel`) and multiply
+with cuBLAS (`W4a16Config.dequantize_first`): the fused GEMM would dequantize each weight
+tile once per row tile.
 The bias is added in float32 and the tile is cast to the activation dtype once.
 
 Decode (few rows) is bound by the weight bytes: a small BLOCK_N and split-K give enough
@@ -46,6 +51,7 @@ from sits.kernels.triton_utils import cdiv, kernels_interpreted
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 REDUCE_BLOCK_N = 256  # output columns per program of the split-K reduction
+MIN_BLOCK_K = 128  # the eight per-nibble dots of a step span BLOCK_K / 8 >= 16 columns each
 DEQUANT_BLOCK_N, DEQUANT_BLOCK_K = 32, 128  # weight tile per program of `dequant_int4_kernel`
 
 
@@ -66,7 +72,8 @@ def dequant_int4_tile(
     DTYPE: tl.constexpr,
 ):
     """The [BLOCK_K, BLOCK_N] transposed weight tile (u - zero) * scale of columns k0 + 0 ..
-    BLOCK_K - 1, in DTYPE (the B operand of tl.dot).
+    BLOCK_K - 1, in DTYPE (for `dequant_int4_kernel`; no tl.dot reads it, so the 8-fold word
+    loads are never staged in shared memory).
 
     rows [BLOCK_N] int64 weight rows (in bounds). Columns past K dequantize to 0 (scale 0).
     Each column loads its word k // 8 (the 8 columns of a word share its cache line) and
@@ -94,6 +101,56 @@ def dequant_int4_tile(
         else:
             offset = 8.0
     return ((codes.to(tl.float32) - offset) * scale).to(DTYPE)  # float32 as the reference
+
+
+@triton.jit
+def load_int4_words(
+    packed_ptr,
+    scale_ptr,
+    zero_ptr,
+    rows,
+    word0,
+    num_words,
+    stride_p,
+    stride_s,
+    stride_z,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The packed words [BLOCK_K / 8, BLOCK_N] int32 of weight rows `rows` [BLOCK_N] (int64,
+    in bounds) and word columns word0 + 0 .. BLOCK_K / 8 - 1, with their float32 scales and zero
+    points (8 when symmetric), each [1, BLOCK_N] when the group spans the whole step (G a
+    multiple of BLOCK_K; K is then a multiple of BLOCK_K too), else [BLOCK_K / 8, BLOCK_N].
+    Words at or past num_words load as 0 with scale 0 (they dequantize to 0).
+    """
+    words = word0 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
+    word_ok = (words < num_words)[:, None]  # [BLOCK_K / 8, 1]
+    packed = tl.load(packed_ptr + rows[None, :] * stride_p + words[:, None], mask=word_ok, other=0)
+    if GROUP_SIZE % BLOCK_K == 0:
+        group = word0 // (GROUP_SIZE // 8)  # the step's one group
+        scale = tl.load(scale_ptr + rows * stride_s + group)[None, :]
+        if HAS_ZERO:
+            offset = tl.load(zero_ptr + rows * stride_z + group).to(tl.float32)[None, :]
+        else:
+            offset = tl.zeros_like(scale) + 8.0
+    else:
+        groups = (words // (GROUP_SIZE // 8))[:, None]  # [BLOCK_K / 8, 1]
+        scale = tl.load(scale_ptr + rows[None, :] * stride_s + groups, mask=word_ok, other=0.0)
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + rows[None, :] * stride_z + groups, mask=word_ok, other=0)
+            offset = zero.to(tl.float32)
+        else:
+            offset = tl.zeros_like(scale) + 8.0
+    return packed, scale, offset
+
+
+@triton.jit
+def int4_plane(packed, scale, offset, J: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble J of every word as weights (u - zero) * scale in DTYPE: [BLOCK_K / 8, BLOCK_N],
+    the weight columns 8 * word + J (float32 arithmetic as `int4_ref.dequantize_int4`)."""
+    codes = (packed >> (4 * J)) & 0xF
+    return ((codes.to(tl.float32) - offset) * scale).to(DTYPE)
 
 
 @triton.jit
@@ -148,21 +205,21 @@ def w4a16_gemm_kernel(
     steps_per_split = tl.cdiv(num_steps, SPLIT_K)
     first_step = pid_k * steps_per_split
     last_step = min(first_step + steps_per_split, num_steps)
-    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    word_ids = tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]
+    x_rows = x_ptr + rows_m[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first_step, last_step):
-        k0 = step * BLOCK_K
-        offs_k = k0 + ks
-        a = tl.load(
-            x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & (offs_k < K)[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = dequant_int4_tile(
-            packed_ptr, scale_ptr, zero_ptr, rows_n, k0, K, stride_pn, stride_sn, stride_zn,
-            GROUP_SIZE, HAS_ZERO, BLOCK_K, x_ptr.dtype.element_ty,
-        )  # fmt: skip  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        word0 = step * (BLOCK_K // 8)
+        words = word0 + word_ids  # [BLOCK_K / 8]
+        packed, scale, offset = load_int4_words(
+            packed_ptr, scale_ptr, zero_ptr, rows_n, word0, K // 8, stride_pn, stride_sn,
+            stride_zn, GROUP_SIZE, HAS_ZERO, BLOCK_K,
+        )  # fmt: skip
+        a_ok = mask_m[:, None] & (words < K // 8)[None, :]  # [BLOCK_M, BLOCK_K / 8]
+        for j in tl.static_range(8):  # columns 8 * word + j: one dot per nibble
+            a = tl.load(x_rows + (words * 8 + j)[None, :], mask=a_ok, other=0.0)
+            w = int4_plane(packed, scale, offset, j, x_ptr.dtype.element_ty)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -235,7 +292,8 @@ class W4a16Config:
     """Launch shape of the w4a16 GEMM.
 
     Attributes:
-        block_m, block_n, block_k: tile (powers of two >= 16).
+        block_m, block_n, block_k: tile (powers of two, >= 16; block_k >= 128: each of its
+            eight dots spans block_k / 8 >= 16 columns).
         split_k: K splits, each its own program (>= 1; > 1 adds the reduction launch).
         group_m: row tiles swept together for L2 reuse of weight tiles (>= 1).
         num_warps, num_stages: Triton launch parameters.
@@ -259,6 +317,10 @@ class W4a16Config:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.block_k < MIN_BLOCK_K:
+            raise ValueError(
+                f"block_k must be >= {MIN_BLOCK_K} (16 words a dot), got {self.block_k}"
+            )
         for name in ("split_k", "group_m", "num_warps", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -283,19 +345,17 @@ def default_config(num_rows: int, num_cols: int, num_inner: int, num_sms: int) -
     """Untuned launch shape by M (rows), N (columns), K and the device's SM count.
 
     Decode (M <= 16) streams the weight: 16-row tiles, 64-wide column tiles and split-K up to
-    about four programs per SM (each split keeping at least four K steps). Mid-size M: 64-row
-    tiles. Prefill is bound by the tensor cores: 128 x 128 tiles.
+    about four programs per SM (each split keeping at least four K steps). Up to 128 rows: the
+    fused GEMM on 64-row tiles. Past that the weight is dequantized once for cuBLAS.
     """
     if num_rows <= 16:
         block_n, block_k = 64, 128
         tiles = cdiv(num_cols, block_n)
         split_k = max(1, min(cdiv(4 * num_sms, tiles), cdiv(num_inner, 4 * block_k), 16))
         return W4a16Config(16, block_n, block_k, split_k, 1, num_warps=4, num_stages=4)
-    if num_rows <= 64:
-        return W4a16Config(32, 64, 128, 1, group_m=4, num_warps=4, num_stages=4)
-    if num_rows <= 256 or num_cols < 2048:
-        return W4a16Config(64, 128, 64, 1, group_m=8, num_warps=4, num_stages=4)
-    return W4a16Config(128, 128, 64, 1, group_m=8, num_warps=8, num_stages=3)
+    if num_rows <= 128:
+        return W4a16Config(64, 64, 128, 1, group_m=8, num_warps=4, num_stages=3)
+    return W4a16Config(64, 64, 128, dequantize_first=True)
 
 
 def config_file_name(num_cols: int, num_inner: int, group_size: int, device_name: str) -> str:
