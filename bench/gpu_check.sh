@@ -366,6 +366,18 @@ if has quant; then
       --max-num-seqs 1024 ${TARGET_FLAGS:-} --output-json "$OUT_DIR/quant_llama_fp8.json"
   fi
 fi
+# precision: the issue-25 switch under load (sits bench precision-switch, ~2 min each with the
+# start): 128 x 256/1024 through AsyncLLM, 20 switches bf16 <-> fp8 (then int4) every 40
+# steps; per switch the delay to the first step in the new set (target < 1 step), output
+# tok/s per precision, failed requests (target 0; the exit code says)
+if has precision; then
+  for q in fp8 int4; do
+    run "precision_switch_$q" sits bench precision-switch --random-weights qwen3-30b-a3b \
+      --precision-switch "$q" --num-prompts 128 --input-len 256 --output-len 1024 \
+      --num-switches 20 --switch-every-steps 40 ${TARGET_FLAGS:-} \
+      --output-json "$OUT_DIR/precision_switch_$q.json"
+  done
+fi
 if has replay; then
   shapes=("$OUT_DIR"/steps-*.jsonl)
   [[ -e ${shapes[0]} ]] && run replay_steps python3 bench/profile_step.py \
