@@ -8,7 +8,7 @@ the reference of the mode the kernel runs at that size (`fp8_linear_weight_only_
 both are float32 sums of the same exact products, so after the cast to bfloat16 they differ by one
 bf16 ulp where the summation order moves a rounding. In "w8a8" mode Hopper's FP8 tensor cores
 add the products in fixed point with about 14 bits kept per product (DeepSeek-V3 report, sec.
-3.5.2), so the tolerance there is a relative error norm of 5e-3 and 1 % of the output's largest
+3.5.2), so the tolerance there is a relative error norm of 5e-3 and 2 % of the output's largest
 magnitude per element: far below the 3.7 % that FP8 activations cost against bf16, so a wrong
 scale or tile still fails. Also: the activation quantization matches
 torch's bit for bit, per-channel and per-tensor scales, `fp8_linear` dispatches to the kernel on
@@ -86,7 +86,7 @@ def assert_bf16_close(out: torch.Tensor, expected: torch.Tensor, mode: str = "w8
     if mode == "w8a8":
         error = (out.float() - expected.float()).norm() / expected.float().norm()
         assert error.item() <= W8A8_MAX_RELATIVE_ERROR
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-2 * scale)
+        torch.testing.assert_close(out, expected, rtol=0, atol=2e-2 * scale)
         return
     torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-3 * scale)  # 1 bf16 ulp
     assert (out != expected).float().mean().item() <= MAX_MISMATCH_FRACTION
