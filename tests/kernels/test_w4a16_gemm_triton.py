@@ -131,7 +131,7 @@ def test_default_config_splits_k_for_decode_only() -> None:
     assert decode.block_m == 16 and decode.split_k == 8  # 64 column tiles -> 528 programs
     assert default_config(1, 28672, 4096, num_sms=132).split_k == 2
     assert default_config(16, 4096, 256, num_sms=132).split_k == 1  # K too short to split
-    assert not default_config(128, 4096, 4096, num_sms=132).dequantize_first
+    assert not default_config(64, 4096, 4096, num_sms=132).dequantize_first
     assert default_config(4096, 4096, 4096, num_sms=132).dequantize_first  # prefill: cuBLAS
 
 

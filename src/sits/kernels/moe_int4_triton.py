@@ -269,15 +269,18 @@ def launch_int4_gemm2(
 
 
 def default_int4_config(num_tokens: int, top_k: int, num_experts: int) -> MoeLaunchConfig:
-    """Untuned launch shapes by mean rows per expert (T * k / E), as `moe_config.default_config`
-    but with BLOCK_K 128 (each nibble's dot spans BLOCK_K / 8 = 16 columns): decode streams
-    the touched experts' weights over narrow column tiles; prefill takes 64-row blocks."""
+    """Untuned launch shapes by mean rows per expert (T * k / E), BLOCK_K 128 (each nibble's
+    dot spans BLOCK_K / 8 = 16 columns). From an H200 sweep at the Qwen3-30B-A3B shape
+    (bench/kernels/w4a16_bench.py --sweep): a one-token step streams its k experts over
+    64-wide column tiles; up to 8 rows per expert 16-row blocks of 128-wide tiles (1.7x the
+    64-wide ones at 10 and 64 tokens); past that 32-row blocks (1.6x the 64-row ones at 256).
+    """
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
-    if rows_per_expert <= 16:
-        narrow = GemmConfig(block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert < 0.25:
+        narrow = GemmConfig(block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
         return MoeLaunchConfig(16, narrow, narrow)
-    wide = GemmConfig(block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
-    return MoeLaunchConfig(64, wide, wide)
+    wide = GemmConfig(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3)
+    return MoeLaunchConfig(16 if rows_per_expert <= 8 else 32, wide, wide)
 
 
 def _check_experts(experts: Int4Experts, rows: int, cols: int, group_size: int, what: str) -> None:
