@@ -84,7 +84,7 @@ def test_zero_points_group_32_and_bias(num_rows: int) -> None:
 @pytest.mark.parametrize(
     "config",
     [W4a16Config(16, 32, 256, split_k=4), W4a16Config(16, 128, 128, split_k=16, num_stages=2),
-     W4a16Config(64, 64, 128, num_stages=3), W4a16Config(128, 128, 128, num_warps=8),
+     W4a16Config(64, 64, 128, num_stages=3), W4a16Config(64, 128, 128, num_stages=3),
      W4a16Config(64, 64, dequantize_first=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("num_rows", [3, 200])
