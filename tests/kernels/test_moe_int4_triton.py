@@ -111,3 +111,28 @@ def test_refuses_other_layouts() -> None:
     narrow_k = MoeLaunchConfig(16, GemmConfig(16, 64), GemmConfig(16, 128))
     with pytest.raises(ValueError, match="BLOCK_K"):
         fused_moe_int4(x, w13, w2, 16, weights, ids, narrow_k)
+
+
+def test_the_triton_backend_runs_int4_experts_and_stays_graph_safe() -> None:
+    from sits.kernels.moe_triton import TritonMoe
+
+    x, w13, w2, weights, ids = make_inputs(5, 16, True, seed=7)
+    backend = TritonMoe()
+    out = backend.experts_int4(x, w13, w2, 16, weights, ids)
+    assert_matches(out, moe_forward_int4(x, w13, w2, 16, weights, ids))
+    assert backend.cuda_graph_safe
+
+
+def test_int4_moe_block_keeps_the_triton_backend() -> None:
+    from sits.kernels.moe_triton import TritonMoe
+    from sits.layers.moe import MoeConfig
+    from sits.layers.quant.config import QuantConfig
+    from sits.layers.quant.int4_moe import Int4SparseMoeBlock
+    from sits.runner.backends import graph_safe
+
+    quant = QuantConfig(method="compressed-tensors", strategy="group", group_size=16)
+    config = MoeConfig(num_experts=E, top_k=TOP_K, intermediate_size=I, renormalize=True)
+    block = Int4SparseMoeBlock(H, config, quant, TritonMoe())
+    assert isinstance(block.moe_backend, TritonMoe)
+    triton_attention = type("TritonPagedAttention", (), {})()  # graph_safe reads its name
+    assert graph_safe(torch.nn.Sequential(block), triton_attention)

@@ -478,3 +478,23 @@ class TritonMoe:
             hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids, config,
             nonfinite_experts,
         )  # fmt: skip
+
+    def experts_int4(
+        self,
+        hidden: Tensor,
+        w13: tuple[Tensor, Tensor, Tensor | None],
+        w2: tuple[Tensor, Tensor, Tensor | None],
+        group_size: int,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        nonfinite_experts: Tensor | None = None,
+    ) -> Tensor:
+        """INT4 w4a16 experts (`moe_ref.moe_forward_int4`'s arguments: (packed, scale, zero or
+        None) per weight): [T, H] in hidden's dtype, no host sync
+        (`moe_int4_triton.fused_moe_int4` with its own default launch shapes)."""
+        # Imported here: moe_int4_triton imports this module's kernels.
+        from sits.kernels.moe_int4_triton import fused_moe_int4
+
+        return fused_moe_int4(
+            hidden, w13, w2, group_size, topk_weights, topk_ids, None, nonfinite_experts
+        )
