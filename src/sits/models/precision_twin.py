@@ -8,12 +8,11 @@ runner pick one per step. The twin is the model of the same checkpoint built wit
   MoE router gates) and the biases of the quantized projections are the full model's very
   tensor objects (no memory, one copy to update). The MoE blocks share their `ExpertState`
   (counters, health, frozen experts), so freezing an expert holds in both sets.
-- Quantized: each projection (per fused part) and each expert (per gate / up / down slice, so
-  the temporary float32 copy is one expert's) is quantized with the online quantizers
-  (`kernels.fp8_ref.quantize_fp8_per_row`, `kernels.int4_ref.quantize_int4`) and written
-  through the quantized module's own `checkpoint_target` (its dtype / shape checks), exactly
-  as an online-quantized load (`loader._online_fp8_pairs` / `_online_int4_pairs`) writes them;
-  for the same model-dtype weights the two agree bit for bit.
+- Quantized: each projection and each expert (one at a time, so the temporary float32 copy is
+  one expert's) is quantized on the device by `layers.quant.fill` with the online schemes
+  (`kernels.fp8_ref.quantize_fp8_per_row`, `kernels.int4_ref.quantize_int4`), exactly as an
+  online-quantized load (`loader._online_fp8_pairs` / `_online_int4_pairs`) writes them; for
+  the same model-dtype weights the two agree bit for bit.
 
 Invariants: the full model is never written; the twin's quantized parameters are its only own
 memory (`twin_weight_bytes` on the meta twin says how much, before anything is allocated).
@@ -24,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from sits.core.errors import InvalidParameterError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.moe import MoeBackend, SparseMoeBlock
 from sits.layers.quant.apply import QUANT_LINEARS, QUANT_MOE_BLOCKS, is_quantized, keep_quant_dtypes
-from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.fill import quantize_experts_, quantize_linear_
 from sits.models.loader import build_meta_model, model_quant_config
 
 SHARED_QUANT_PARAMS = ("bias",)  # a quantized module's parameters kept in the model dtype
@@ -118,7 +117,7 @@ def build_twin(
             source = full_modules[name]
             if _is_quant(module):
                 _materialise(module, source, device)
-                _fill(module, source, quant, name)
+                _fill(module, source)
             else:
                 _share(module, source)
     twin.eval()
@@ -148,51 +147,11 @@ def _materialise(module: nn.Module, source: nn.Module, device: torch.device) -> 
         module._expert_state = source.expert_state()
 
 
-def _quantized_tensors(weight: Tensor, quant: QuantConfig) -> list[tuple[str, Tensor]]:
-    """(checkpoint kind, tensor) of one [N, K] model-dtype weight quantized online, the
-    tensors an online load makes of it."""
-    if quant.is_int4:
-        from sits.kernels.int4_ref import quantize_int4
-
-        assert quant.group_size is not None
-        packed, scale = quantize_int4(weight, quant.group_size)  # [N, K/8] int32, [N, K/G]
-        shape = torch.tensor(tuple(weight.shape))
-        return [("weight_packed", packed), ("weight_scale", scale), ("weight_shape", shape)]
-    from sits.kernels.fp8_ref import quantize_fp8_per_row
-
-    values, scale = quantize_fp8_per_row(weight)  # [N, K] float8_e4m3fn, [N] float32
-    return [("weight", values), (quant.scale_name, scale)]
-
-
-def _write(module: nn.Module, found: tuple | None, tensor: Tensor, name: str) -> None:
-    """Copy `tensor` where a quantized module's `checkpoint_target` said (after its check)."""
-    assert found is not None, f"{name}: the quantized module has no target for it"
-    local, index, convert = found
-    param = getattr(module, local)
-    destination = param.data[index] if index else param.data
-    if convert is not None:
-        tensor = convert(tensor, name)
-    destination.copy_(tensor)
-
-
-def _fill(module: nn.Module, source: nn.Module, quant: QuantConfig, name: str) -> None:
-    """Quantize `source`'s weights into the quantized `module` (per part / per expert)."""
+def _fill(module: nn.Module, source: nn.Module) -> None:
+    """Quantize `source`'s weights into the quantized `module` (`layers.quant.fill`: per
+    expert slice for MoE blocks)."""
     if isinstance(module, QUANT_MOE_BLOCKS):
         assert isinstance(source, SparseMoeBlock) and not source.num_spare_experts
-        inter = source.config.intermediate_size
-        for expert in range(source.config.num_experts):
-            parts = {
-                "gate": source.w13[expert, :inter],  # [I, H]
-                "up": source.w13[expert, inter:],  # [I, H]
-                "down": source.w2[expert],  # [H, I]
-            }
-            for part, weight in parts.items():
-                for kind, tensor in _quantized_tensors(weight, quant):
-                    found = module.checkpoint_target(expert, part, kind)
-                    _write(module, found, tensor, f"{name}.experts.{expert}.{part}.{kind}")
-        return
-    for part in range(len(module.part_sizes)):
-        weight = source.weight[module.part_rows(part)]  # [part rows, K]
-        for kind, tensor in _quantized_tensors(weight, quant):
-            found = module.checkpoint_target(kind, part)
-            _write(module, found, tensor, f"{name}.part{part}.{kind}")
+        quantize_experts_(module, source.w13, source.w2)
+    else:
+        quantize_linear_(module, source.weight)
