@@ -131,7 +131,7 @@ def test_requests_that_can_never_fit_raise_at_once() -> None:
     scheduler = Scheduler(make_config(num_blocks=5, max_model_len=20))  # 16 tokens of KV
     with pytest.raises(PromptTooLongError, match=r"maximum context length is 20 tokens") as info:
         scheduler.add_request(make_request("long", list(range(18)), max_tokens=4))
-    assert "22 tokens (18 in the prompt, 4 for max_tokens)" in str(info.value)
+    assert "22 tokens (18 in the prompt, 4 for the completion)" in str(info.value)
     assert info.value.param == "prompt"
     with pytest.raises(PromptTooLongError, match=r"= 5 KV blocks of 4 tokens.* only 4 blocks"):
         scheduler.add_request(make_request("big", list(range(14)), max_tokens=4))

@@ -6,10 +6,9 @@ Pure functions of a request and the config (no scheduler state).
 
 from __future__ import annotations
 
-from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.limits import resolve_limits
 from sits.core.outputs import EngineCoreOutput, TokenLogprobs
 from sits.core.request import FinishReason, Request
-from sits.kvcache.kv_manager import cdiv
 from sits.sched.config import SchedulerConfig
 
 
@@ -48,36 +47,21 @@ def reaches_length_limit(request: Request, max_model_len: int) -> bool:
 
 
 def validate_request(request: Request, config: SchedulerConfig) -> None:
-    """Refuse a request that is malformed or could never run under `config`.
+    """Refuse a request that is malformed or could never run under `config` (its context and
+    whole KV cache, `sits.core.limits.resolve_limits`: the engine's one check of a request).
 
     Raises:
-        InvalidParameterError: empty prompt ("prompt") or negative max_tokens ("max_tokens").
+        InvalidParameterError: empty prompt ("prompt").
         PromptTooLongError: prompt + max_tokens exceeds max_model_len, or needs more KV blocks
             than the whole cache holds.
     """
-    num_prompt_tokens = request.num_prompt_tokens
-    if num_prompt_tokens == 0:
-        raise InvalidParameterError("prompt", "prompt must contain at least one token")
-    if request.max_tokens < 0:
-        raise InvalidParameterError(
-            "max_tokens", f"max_tokens must be >= 0, got {request.max_tokens}"
-        )
-    num_total_tokens = num_prompt_tokens + request.max_tokens
-    max_model_len = config.max_model_len
-    if num_total_tokens > max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_total_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{request.max_tokens} for max_tokens). Please reduce the prompt or max_tokens."
-        )
-    num_blocks = cdiv(num_total_tokens, config.block_size)
-    if num_blocks > config.num_usable_blocks:
-        raise PromptTooLongError(
-            f"The request needs {num_total_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {request.max_tokens} for max_tokens) = {num_blocks} KV blocks of "
-            f"{config.block_size} tokens, but the KV cache holds only "
-            f"{config.num_usable_blocks} blocks. Please reduce the prompt or max_tokens."
-        )
+    resolve_limits(
+        request.num_prompt_tokens,
+        request.max_tokens,
+        config.max_model_len,
+        num_kv_blocks=config.num_usable_blocks,
+        block_size=config.block_size,
+    )
 
 
 def engine_output(
