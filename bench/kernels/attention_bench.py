@@ -98,7 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def make_step(shape: Shape, chunks: list[tuple[int, int]], seed: int):
     """(query, key, value, kv_cache, metadata) of one step; chunks = (cached, new) per seq."""
-    from sits.layers.forward_context import AttentionMetadata
+    from sits.kernels.attention_metadata import AttentionMetadata
 
     gen = torch.Generator(device=shape.device).manual_seed(seed)
     bs, dev = shape.block_size, shape.device

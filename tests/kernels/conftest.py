@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sits.layers.forward_context import AttentionMetadata
+from sits.kernels.attention_metadata import AttentionMetadata
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

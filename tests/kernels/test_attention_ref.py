@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from sits.kernels.attention_metadata import AttentionMetadata
 from sits.kernels.attention_ref import TorchPagedAttention, write_kv
-from sits.layers.forward_context import AttentionMetadata
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8

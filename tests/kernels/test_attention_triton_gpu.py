@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from sits.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from sits.kernels.attention_ref import TorchPagedAttention, write_kv  # noqa: E402
 from sits.kernels.attention_triton import TritonAttentionConfig, TritonPagedAttention  # noqa: E402
 from sits.kernels.kv_write_triton import triton_write_kv  # noqa: E402
-from sits.layers.forward_context import AttentionMetadata  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

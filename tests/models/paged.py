@@ -12,8 +12,9 @@ import random
 import torch
 from torch import Tensor
 
+from sits.kernels.attention_metadata import AttentionMetadata
 from sits.kernels.attention_ref import TorchPagedAttention
-from sits.layers.forward_context import AttentionMetadata, ForwardContext
+from sits.layers.forward_context import ForwardContext
 
 
 class PagedRunner:

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from sits.kernels.kv_quant_ref import QuantizedKVCache, gather_kv_dequantized, write_kv_quantized
 
-if TYPE_CHECKING:  # a type only: kernels do not import layers at run time
-    from sits.layers.forward_context import AttentionMetadata
+if TYPE_CHECKING:
+    from sits.kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:

@@ -37,8 +37,8 @@ from sits.kernels.kv_quant_ref import QuantizedKVCache
 from sits.kernels.kv_write_triton import triton_write_kv, triton_write_kv_quantized
 from sits.kernels.triton_utils import cdiv, triton_runs_on
 
-if TYPE_CHECKING:  # a type only: kernels do not import layers at run time
-    from sits.layers.forward_context import AttentionMetadata
+if TYPE_CHECKING:
+    from sits.kernels.attention_metadata import AttentionMetadata
 
 H200_NUM_SMS = 132  # streaming multiprocessors of an H200 SXM (and an H100 SXM)
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from sits.core.plan import ScheduledRequest, StepPlan
-from sits.layers.forward_context import AttentionMetadata
+from sits.kernels.attention_metadata import AttentionMetadata
 
 _MAX_CACHED_VIEWS = 1024  # sizes of `InputBuffers.view` kept (decode steps reuse a few)
 _MAX_ROWS_BY_ROW = 8  # block tables of at most this many rows are written row by row
