@@ -13,7 +13,7 @@ from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
 from sits.engine.llm import LLM
 from sits.kernels.moe_ref import select_experts
-from sits.layers.moe_stats import ExpertMonitor
+from sits.runner.expert_health import ExpertMonitor
 
 LAYER = 1  # the last layer: a NaN there reaches the logits but no later KV cache
 ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": 2 << 20}

@@ -12,7 +12,7 @@ from sits.core.errors import InvalidParameterError, UnsupportedModelError
 from sits.kernels.moe_ref import select_experts
 from sits.layers.expert_slots import ExpertSlots
 from sits.layers.moe import MoeConfig, SparseMoeBlock
-from sits.layers.moe_stats import ExpertMonitor
+from sits.runner.expert_health import ExpertMonitor
 
 HIDDEN = 16
 NUM_EXPERTS = 6

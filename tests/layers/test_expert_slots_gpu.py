@@ -21,7 +21,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from sits.kernels.moe_triton import TritonMoe  # noqa: E402
 from sits.layers.moe import MoeConfig, SparseMoeBlock  # noqa: E402
-from sits.layers.moe_stats import ExpertMonitor  # noqa: E402
+from sits.runner.expert_health import ExpertMonitor  # noqa: E402
 
 HIDDEN, NUM_EXPERTS, NUM_SPARE = 64, 8, 2
 CONFIG = MoeConfig(num_experts=NUM_EXPERTS, top_k=2, intermediate_size=32, renormalize=True)

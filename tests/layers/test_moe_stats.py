@@ -8,7 +8,7 @@ import torch
 from sits.core.errors import InvalidParameterError
 from sits.kernels.moe_ref import TorchMoe, select_experts
 from sits.layers.moe import MoeConfig, SparseMoeBlock
-from sits.layers.moe_stats import ExpertMonitor, imbalance_of
+from sits.runner.expert_health import ExpertMonitor, imbalance_of
 
 HIDDEN = 16
 CONFIG = MoeConfig(num_experts=6, top_k=2, intermediate_size=8, renormalize=True)

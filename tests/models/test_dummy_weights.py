@@ -156,7 +156,7 @@ def test_dummy_moe_routes_random_tokens_over_all_experts(tiny_model_factory) -> 
     every layer; the dummy weights must spread them (1.3-1.5 here)."""
     from sits.core.sampling_params import SamplingParams
     from sits.engine.llm import LLM
-    from sits.layers.moe_stats import ExpertMonitor
+    from sits.runner.expert_health import ExpertMonitor
 
     num_experts, top_k, num_layers = 16, 2, 8
     model_dir = tiny_model_factory(

@@ -14,7 +14,7 @@ import torch
 from sits import LLM, SamplingParams
 from sits.engine import core as engine_core_module
 from sits.kernels.kv_quant_ref import QuantizedKVCache
-from sits.layers.moe_stats import ExpertMonitor
+from sits.runner.expert_health import ExpertMonitor
 from sits.runner.model_runner import ModelRunner
 from sits.runner.warmup import decode_split_counts, warm_up_kernels, warmup_token_counts
 from tests.engine.hf_reference import random_prompts

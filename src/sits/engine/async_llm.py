@@ -15,7 +15,7 @@ commands; its queue and per-tenant part (an O(requests) scan) is refreshed at mo
 `set_borrowing_tiers` reaches the scheduler through the inbox (overload control); while
 only work it defers waits (nothing running), the loop waits on the inbox instead of stepping.
 
-MoE experts (`sits.layers.moe_stats`): the engine thread copies the device-side expert
+MoE experts (`sits.runner.expert_health`): the engine thread copies the device-side expert
 counters to the host every `driver.EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle
 and on request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
 on the engine thread between steps, so requests in flight continue. With spare expert slots
@@ -54,7 +54,7 @@ from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.output_processor import OutputProcessor
 from sits.kvcache.host_pool import SwapStats
-from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
+from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
 from sits.sched.tenants import TenantSchedStats
 

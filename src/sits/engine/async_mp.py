@@ -45,7 +45,7 @@ from sits.engine.engine_proc import PackedError, run_engine_proc, unpack_error
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.output_processor import OutputProcessor
-from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertStats
+from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
 from sits.engine.front_end import tier_values
-from sits.layers.moe_stats import ExpertMonitor, ExpertStats
+from sits.runner.expert_health import ExpertMonitor, ExpertStats
 from sits.sched.config import TenantTier
 
 if TYPE_CHECKING:

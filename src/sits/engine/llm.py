@@ -31,7 +31,7 @@ from sits.engine.builder import build_engine
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.engine.tokenizer import Tokenizer
-from sits.layers.moe_stats import ExpertMonitor
+from sits.runner.expert_health import ExpertMonitor
 
 PromptType = str | dict[str, Any]
 EXPERT_READ_PERIOD_STEPS = 8

@@ -3,7 +3,7 @@
 With N spare slots a layer's w13 / w2 hold E + N physical slots; `ExpertSlots.table` ([E]
 int64, on the weights' device) says which slot holds each logical expert. A frozen expert is
 restored by loading its checkpoint weights into a free slot and pointing its table entry
-there (`layers.moe_restore.restore_expert_into_spare`); its old slot then becomes a spare.
+there (`runner.expert_restore.restore_expert_into_spare`); its old slot then becomes a spare.
 
 Invariants:
 - The router, the counters, the health flags and the frozen mask stay in logical expert ids
