@@ -23,7 +23,7 @@ python bench/kv_tiers.py --model /path/to/tiny --dtype float32 --kv-cache-memory
 python bench/kv_tiers.py --model <shape dir> --load-format dummy --dtype bfloat16 \
     --kv-cache-memory-bytes 5153960755 --input-len 768 --output-len 256 --result-json kv.json
 ```
-The engine flags are those of `sits generate` (`sits.cli.engine_args`); `--cpu-offload-gb`
+The engine flags are those of `sits generate` (`sits.engine.arg_utils`); `--cpu-offload-gb`
 is ignored (the host tier is sized by `--host-gb`, default: room for the whole burst).
 """
 
@@ -40,9 +40,9 @@ import time
 from typing import Any
 
 from sits.bench.report import command_line, machine_info
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.config import EngineConfig
 from sits.core.sampling_params import SamplingParams
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
 GIB_BYTES = 1 << 30
 TARGET_DROP = 0.80

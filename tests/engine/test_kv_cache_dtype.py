@@ -30,10 +30,10 @@ import pytest
 import torch
 
 from sits import LLM, SamplingParams
-from sits.cli.engine_args import engine_kwargs
 from sits.cli.main import build_parser
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
+from sits.engine.arg_utils import engine_kwargs
 from tests.engine.hf_reference import random_prompts
 
 LOGPROB_BOUNDS = {"fp8": 2.0**-4, "int8": 1.0 / 127}

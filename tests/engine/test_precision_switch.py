@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from sits import LLM, SamplingParams
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PrecisionSwitchMemoryError
 from sits.core.precision import PrecisionState
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 from sits.engine.requests import make_engine_requests
 from sits.layers.quant import config as quant_config
 from sits.models.loader import load_model

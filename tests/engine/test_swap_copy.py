@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.config import EngineConfig
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 from sits.runner.swap import GIB_BYTES, HostKVCache, num_host_blocks
 
 

@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sits import LLM, SamplingParams
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 from sits.kernels.fp8_ref import (
     FP8_DTYPE,
     dequantize_fp8,

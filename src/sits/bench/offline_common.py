@@ -1,6 +1,6 @@
 """Pieces shared by the offline benchmarks (`sits bench throughput` and `sits bench latency`).
 
-- flags: the engine flags of `sits.cli.engine_args` plus `--random-weights SHAPE`,
+- flags: the engine flags of `sits.engine.arg_utils` plus `--random-weights SHAPE`,
   `--input-len`, `--output-len` and `--output-json`;
 - `OfflineSetup`: the `EngineConfig` those flags give (always token ids in and out:
   `skip_tokenizer_init`; `--random-weights` = a shape directory with dummy weights);
@@ -22,9 +22,9 @@ from typing import Any
 from sits.bench.report import command_line, machine_info
 from sits.bench.roofline import H200, ModelShape, StepShape, roofline_json, step_cost
 from sits.bench.shapes import shape_names, write_shape_dir
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
 _KV_ELEM_BYTES = {"fp8": 1, "int8": 1}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sits.cli.engine_args import add_engine_args, engine_kwargs
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -27,7 +27,6 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sits.cli.engine_args import add_engine_args, engine_kwargs
 from sits.cli.flags import flag_prefix
 from sits.cli.fleet_flags import (
     add_fleet_args,
@@ -37,6 +36,7 @@ from sits.cli.fleet_flags import (
 )
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
+from sits.engine.arg_utils import add_engine_args, engine_kwargs
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 

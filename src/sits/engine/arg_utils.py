@@ -1,4 +1,9 @@
-"""Engine flags shared by `sits generate`, `sits serve` and the benchmarks (vLLM names)."""
+"""Engine flags shared by `sits generate`, `sits serve` and the benchmarks (vLLM names).
+
+Argument plumbing only: `add_engine_args` declares the flags, `engine_kwargs` maps them onto
+`EngineConfig` keyword arguments (which validates them). It sits in `engine`, below both
+`cli` and `sits.bench`, so the benchmarks' library reuses it without importing `cli`.
+"""
 
 from __future__ import annotations
 
