@@ -96,7 +96,7 @@ def test_protected_blocks_and_slots_keep_a_reservation_for_waiting_work() -> Non
     g, e = book.tenants["g"], book.tenants["e"]
     assert (g.reserved_blocks, g.reserved_seqs, e.reserved_blocks) == (8, 2, 0)
     assert book.blocks_available(e, 16) == 16  # nobody waits: all idle capacity
-    book.push_waiting(g, make_request("g0", list(range(10)), 1, tenant_id="g"), ())
+    book.push_waiting(g, make_request("g0", list(range(10)), 1, tenant_id="g"), 0)
     assert (g.demand_blocks, g.protected_blocks, g.protected_seqs) == (3, 3, 1)
     assert book.blocks_available(e, 16) == 13 and book.blocks_available(g, 16) == 16
     assert book.may_take_blocks(e, 13, 16, within_reservation=False)

@@ -40,7 +40,7 @@ from sits.core.errors import InvalidParameterError
 from sits.core.request import Request
 from sits.kvcache.kv_manager import cdiv
 from sits.sched.config import SchedulerConfig, TenantPolicy, TenantTier, reserved_amount
-from sits.sched.policy import WaitingQueue, tenant_order_key
+from sits.sched.policy import WaitingQueue, edf_key, tenant_order_key
 
 FCFS_TENANT_ID = "*"  # the implicit tenant of a scheduler without configured tenants
 
@@ -188,11 +188,20 @@ class TenantBook:
 
     # ---------------------------------------------------------------------- waiting queues
     def push_waiting(
-        self, tenant: TenantState, request: Request, key: tuple, *, preempted: bool = False
+        self, tenant: TenantState, request: Request, arrival_seq: int, *, preempted: bool = False
     ) -> None:
-        """Queue a request; lift the tenant's counter if it becomes backlogged."""
+        """Queue a request in the policy's order (`edf_key`; FIFO without tenants, a
+        preempted request at the front); lift the tenant's counter if it becomes backlogged.
+
+        Args:
+            tenant: the request's tenant.
+            request: the request, waiting (new, or preempted with its outputs so far).
+            arrival_seq: its add order, the tie-break of equal arrival times.
+            preempted: it was running (FIFO: it goes to the queue's front).
+        """
         if not len(tenant.queue):
             self._lift_counter(tenant)
+        key = edf_key(request, tenant.policy, arrival_seq)
         tenant.queue.push(request, key, preempted=preempted)
         demand = cdiv(request.num_tokens, self._block_size)
         self._demand_of[request.request_id] = demand
