@@ -44,7 +44,6 @@ from enum import Enum
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
 from sits.core.precision import PrecisionState
-from sits.core.request import Request
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
 from sits.engine.delivery import BatchedDelivery
@@ -298,10 +297,6 @@ class AsyncLLM(RequestFrontEnd):
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
 
-    def _check_requests(self, children: list[Request]) -> None:
-        for child in children:
-            self.engine_core.check_request(child.prompt_token_ids, child.max_tokens)
-
     async def _call_on_engine(self, fn: Callable[[], object]) -> object:
         """Run `fn()` on the engine thread between steps and return (or raise) its result."""
         self._check_alive()
@@ -372,7 +367,7 @@ class AsyncLLM(RequestFrontEnd):
             try:
                 for child in children:
                     self.engine_core.add_request(child)
-            except SitsError as exc:  # checked on the front end already; never kill the loop
+            except SitsError as exc:  # a request that can never run; never kill the loop
                 self.engine_core.finish_requests([c.request_id for c in children])
                 self._post(self._fail_request, request_id, exc)
         elif kind == "finish":

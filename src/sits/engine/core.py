@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sits.config import EngineConfig
-from sits.core.errors import InvalidParameterError, PromptTooLongError
+from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.precision import PrecisionState
@@ -253,41 +253,22 @@ class EngineCore:
         if self.precision_control is not None:
             planned.precision = self.precision_control.mark_run(planned.plan)
 
-    def check_request(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        """Raise at once if a request can never be served.
+    def add_request(self, request: Request) -> None:
+        """Queue a request; its limits (`Request.max_tokens`, context, whole KV cache) are
+        checked once, by `Scheduler.add_request` (`sits.core.limits.resolve_limits`).
 
         Raises:
-            InvalidParameterError: the prompt is empty or holds a token id outside the
-                vocabulary.
+            InvalidParameterError: a token id outside the vocabulary ("prompt"), or as
+                `Scheduler.add_request` (empty prompt, request id in use, unknown tenant).
             PromptTooLongError: prompt + max_tokens exceeds max_model_len or the whole KV cache.
         """
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise InvalidParameterError("prompt", "prompt must contain at least one token")
+        prompt_token_ids = request.prompt_token_ids
         vocab_size = self.runner.model.arch.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
             bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
             raise InvalidParameterError(
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             )
-        limit = self.info.max_model_len
-        if num_prompt_tokens + max_tokens > limit:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens."
-            )
-        cache_tokens = self.runner.num_blocks * self.config.block_size
-        if num_prompt_tokens + max_tokens > cache_tokens:
-            raise PromptTooLongError(
-                f"The request needs {num_prompt_tokens + max_tokens} tokens of KV cache "
-                f"({num_prompt_tokens} prompt + {max_tokens} max_tokens) but the whole cache "
-                f"holds {cache_tokens} tokens."
-            )
-
-    def add_request(self, request: Request) -> None:
-        """Queue a request (raises like `check_request` when it can never fit)."""
-        self.check_request(request.prompt_token_ids, request.max_tokens)
         self.scheduler.add_request(request)
         if request.start_deadline_s is not None:
             heapq.heappush(self._start_deadlines, (request.start_deadline_s, request.request_id))

@@ -7,7 +7,9 @@ what is the same: `generate` (one asyncio queue per request), `abort`, deliverin
 outputs (`BatchedDelivery`: a batch per event-loop iteration) and failing requests.
 Invariants: every request that leaves `generate` unfinished (client gone, task cancelled) is
 aborted through `_send(("finish", ...))`; `_deliver`, `_fail_request` and `_fail_all` run on
-the asyncio loop only.
+the asyncio loop only. A request that can never run (prompt, limits: `EngineCore.add_request`)
+is refused on the engine side, in both front ends alike, and reaches `generate`'s caller
+through `_fail_request` before anything is yielded.
 
 Commands a subclass's engine side must accept (tuples, first item the kind):
 ("add", request_id, children), ("finish", child_ids, FinishReason, stop_reason).
@@ -24,7 +26,7 @@ from enum import Enum
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.core.outputs import EngineCoreOutput, RequestOutput
-from sits.core.request import FinishReason, Request
+from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.delivery import BatchedDelivery
 from sits.engine.health import hung_loop_error
@@ -53,8 +55,7 @@ class RequestFrontEnd:
     """Base of the asyncio front ends (see the module docstring).
 
     Subclasses set `config`, `info`, `max_model_len`, `dead_error`, `_processor`, `_delivery`
-    and `_loop`, and define `is_healthy()` and `_send(command)`; they may override
-    `_check_requests`.
+    and `_loop`, and define `is_healthy()` and `_send(command)`.
     """
 
     config: EngineConfig
@@ -84,10 +85,6 @@ class RequestFrontEnd:
     def _send(self, command: tuple) -> None:  # pragma: no cover - defined by subclasses
         """Hand `command` to the engine side (never blocks for long)."""
         raise NotImplementedError
-
-    def _check_requests(self, children: list[Request]) -> None:
-        """Raise at once for a request that can never be served (default: the engine side
-        checks it and fails the request through `_fail_request`)."""
 
     async def generate(
         self,
@@ -125,7 +122,6 @@ class RequestFrontEnd:
             cache_salt=cache_salt,
             start_deadline_s=start_deadline_s,
         )
-        self._check_requests(children)
         self._loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._processor.add_request(

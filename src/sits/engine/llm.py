@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sits.config import EngineConfig
-from sits.core.errors import InvalidParameterError
+from sits.core.errors import InvalidParameterError, SitsError
 from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.precision import PrecisionState
 from sits.core.request import FinishReason
@@ -185,9 +185,16 @@ class LLM:
                 max_model_len=self.info.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
             )
-            for child in children:  # validate everything before queueing anything
-                core.check_request(child.prompt_token_ids, child.max_tokens)
             batches.append((request_id, prompt, ids, params, children))
+        queued: list[str] = []
+        try:  # `add_request` checks each request once; one that can never run ends the call
+            for _, _, _, _, children in batches:
+                for child in children:
+                    core.add_request(child)
+                    queued.append(child.request_id)
+        except SitsError:
+            core.finish_requests(queued)  # none of them has run: nothing of the call runs
+            raise
         finished: dict[str, RequestOutput] = {}
         for request_id, prompt, ids, params, children in batches:
             processor.add_request(
@@ -198,8 +205,6 @@ class LLM:
                 params,
                 children[0].arrival_time,
             )
-            for child in children:
-                core.add_request(child)
         # A step's outputs are processed (detokenized, stop strings checked) while the device
         # runs the next step; a stop string found there ends its request after that step,
         # whose one extra token the processor ignores (its sample is finished).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from sits.core.limits import resolve_limits
 from sits.core.request import Request
 from sits.core.sampling_params import SamplingParams
 
@@ -19,13 +20,6 @@ from sits.core.sampling_params import SamplingParams
 def child_request_ids(request_id: str, n: int) -> list[str]:
     """Engine request ids of a user request's samples."""
     return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-
-
-def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
-    """max_tokens, or all the context left after the prompt when it is None."""
-    if params.max_tokens is not None:
-        return params.max_tokens
-    return max(max_model_len - num_prompt_tokens, 0)
 
 
 def make_engine_requests(
@@ -43,9 +37,20 @@ def make_engine_requests(
     start_deadline_s: float | None = None,
 ) -> list[Request]:
     """Build the engine requests of one user request (one per sample); `start_deadline_s`
-    (time.monotonic()) drops those not started by then (`Request.start_deadline_s`)."""
+    (time.monotonic()) drops those not started by then (`Request.start_deadline_s`).
+
+    Each carries one resolved `max_tokens`: `params.max_tokens` as given (the server resolved
+    it), or, when None (the offline API's "fill the context"), what `resolve_limits` leaves
+    after the prompt. The limits are checked once, when the scheduler queues the request.
+
+    Raises:
+        InvalidParameterError, PromptTooLongError: max_tokens is None and the prompt is empty
+            or leaves no room in `max_model_len` (`resolve_limits`).
+    """
     arrival = time.monotonic() if arrival_time is None else arrival_time
-    max_tokens = resolve_max_tokens(params, len(prompt_token_ids), max_model_len)
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = resolve_limits(len(prompt_token_ids), None, max_model_len).max_tokens
     eos = eos_token_ids[0] if eos_token_ids else None
     extra_stop_ids = [] if params.ignore_eos else [t for t in eos_token_ids[1:]]
     ids = child_request_ids(request_id, params.n)
