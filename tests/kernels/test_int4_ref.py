@@ -53,10 +53,18 @@ def test_online_quantization_round_trip_and_the_linear() -> None:
     packed, scale = quantize_int4(weight, 16)
     assert packed.shape == (24, 8) and scale.shape == (24, 4) and scale[3, 0].item() == 1.0
     codes = unpack_int4(packed)
-    assert int(codes.min()) >= 1 and int(codes.max()) <= 15  # symmetric: -7 .. 7 plus 8
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 15  # symmetric: -8 .. 7 plus 8
     back = dequantize_int4(packed, scale, None, 16, torch.float32)
     assert torch.equal(back[3, :16], torch.zeros(16))
-    assert ((back - weight).abs() <= scale.repeat_interleave(16, dim=1) / 2 + 1e-6).all()
+    groups = weight.reshape(24, 4, 16)
+    amax = groups.abs().amax(dim=-1)
+    ratio = torch.where(amax > 0, scale * 7 / amax, torch.ones_like(amax))
+    assert ((ratio >= 0.7 - 1e-6) & (ratio <= 1.0 + 1e-6)).all()
+    # each group's squared error is the least over the clipping grid, at most plain amax / 7's
+    plain = torch.where(amax > 0, amax / 7, torch.ones_like(amax))[..., None]
+    plain_error = (((groups / plain).round().clamp(-8, 7) * plain - groups) ** 2).sum(-1)
+    error = ((back.reshape(24, 4, 16) - groups) ** 2).sum(-1)
+    assert (error <= plain_error + 1e-6).all() and (error < plain_error).any()
     x, bias = torch.randn(5, 64), torch.randn(24)
     assert torch.equal(w4a16_linear(x, packed, scale, None, 16, bias), F.linear(x, back, bias))
 

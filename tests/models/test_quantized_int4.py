@@ -206,15 +206,24 @@ def test_int4_checkpoint_greedy_tokens_equal_the_dequantized_model(int4_pair, ar
 
 
 def _online_reference(src: Path, dst: Path) -> Path:
-    """The float32 checkpoint whose quantized weights are the symmetric INT4 ones dequantized
-    (scale = amax / 7 per group of 16, codes in -7 .. 7)."""
+    """The float32 checkpoint whose quantized weights are the symmetric INT4 ones dequantized:
+    per group of 16, scale = r * amax / 7 for the r of 1.0, 0.95, ..., 0.7 whose codes in
+    -8 .. 7 give the least squared error (the first such r on ties)."""
     weights = {}
     for name, tensor in load_file(str(src / "model.safetensors")).items():
         if _is_quantized(name):
             groups = tensor.reshape(tensor.shape[0], -1, GROUP)
             amax = groups.abs().amax(-1, keepdim=True)
-            scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
-            tensor = ((groups / scale).round().clamp(-7, 7) * scale).reshape(tensor.shape)
+            candidates = []
+            for ratio in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7):
+                scale = torch.where(amax > 0, amax * ratio / 7, torch.ones_like(amax))
+                rounded = (groups / scale).round().clamp(-8, 7) * scale
+                candidates.append((((rounded - groups) ** 2).sum(-1), rounded))
+            errors = torch.stack([error for error, _ in candidates])  # [R, N, K / G]
+            best = errors.argmin(dim=0)  # the first least error
+            rounded = torch.stack([r for _, r in candidates])  # [R, N, K / G, G]
+            pick = best[None, ..., None].expand(1, *rounded.shape[1:])
+            tensor = rounded.gather(0, pick)[0].reshape(tensor.shape)
         weights[name] = tensor
     return _write(src, dst, weights, None)
 
