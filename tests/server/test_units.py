@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sits.core.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
+from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.core.outputs import Logprob
 from sits.core.sampling_params import RequestOutputKind
 from sits.server.auth import keys_match
@@ -23,7 +23,6 @@ from sits.server.params import (
     check_chat_request,
     check_completion_request,
     completion_sampling_params,
-    resolve_max_tokens,
 )
 from sits.server.protocol_chat import ChatCompletionRequest
 from sits.server.protocol_completion import CompletionRequest
@@ -39,21 +38,6 @@ class _Tok:
 
 def _chat(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
-
-
-def test_resolve_max_tokens_follows_vllm() -> None:
-    assert resolve_max_tokens(16, 100, 1024, "prompt") == 16
-    assert resolve_max_tokens(None, 100, 1024, "prompt") == 924
-    assert resolve_max_tokens(24, 1000, 1024, "prompt") == 24
-    with pytest.raises(PromptTooLongError) as err:
-        resolve_max_tokens(25, 1000, 1024, "messages")
-    assert err.value.param == "messages"
-    assert "1024" in str(err.value) and "1000" in str(err.value) and "1025" in str(err.value)
-    with pytest.raises(PromptTooLongError):
-        resolve_max_tokens(None, 1024, 1024, "prompt")
-    with pytest.raises(PromptTooLongError) as err:  # max_tokens alone is over the limit
-        resolve_max_tokens(10**12, 5, 1024, "prompt")
-    assert err.value.param == "max_tokens"
 
 
 def test_completion_params_mapping() -> None:

@@ -9,9 +9,11 @@ Invariants:
   the error names the field the client sent.
 - `max_tokens` / `max_completion_tokens` below 1 are refused (vLLM's rule), except
   `max_tokens: 0` on a completion with `echo` (the prompt's logprobs alone, case C03).
-- A prompt that cannot fit is refused vLLM-style before it reaches the engine: prompt tokens +
+- A prompt that cannot fit is refused vLLM-style before it reaches the engine, by
+  `sits.core.limits.resolve_limits` (the one place for a request's limits): prompt tokens +
   max_tokens > max_model_len is a 400 stating both numbers; with no max_tokens the completion
-  may fill the context, and a prompt that leaves no room at all is a 400 too.
+  may fill the context (at most `default_max_tokens_cap`), and a prompt that leaves no room at
+  all is a 400 too.
 """
 
 from __future__ import annotations
@@ -183,47 +185,6 @@ def default_max_tokens_cap(
     if tenant.tokens_per_minute is not None:
         caps.append((tenant.tokens_per_minute - num_prompt_tokens) // num_sequences)
     return max(min(caps), 1) if caps else None
-
-
-def resolve_max_tokens(
-    requested: int | None,
-    num_prompt_tokens: int,
-    max_model_len: int,
-    prompt_param: str,
-    default_cap: int | None = None,
-) -> int:
-    """The number of tokens a request may generate (vLLM's rule).
-
-    Args:
-        requested: max_tokens as asked (validated >= 0), or None for "fill the context".
-        num_prompt_tokens: the prompt's length in tokens.
-        max_model_len: the context limit in tokens.
-        prompt_param: the field to blame ("prompt" or "messages").
-        default_cap: the most a None stands for (`default_max_tokens_cap`); None: no cap.
-
-    Raises:
-        PromptTooLongError: prompt + max_tokens > max_model_len (param "max_tokens" when
-            max_tokens alone exceeds it, else `prompt_param`), or no room is left with None.
-    """
-    if requested is None:
-        if num_prompt_tokens >= max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt has {num_prompt_tokens} tokens, which leaves no room for the "
-                "completion. Please reduce the length of the prompt.",
-                param=prompt_param,
-            )
-        fill = max_model_len - num_prompt_tokens
-        return fill if default_cap is None else min(fill, default_cap)
-    if num_prompt_tokens + requested > max_model_len:
-        raise PromptTooLongError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-            f"prompt, {requested} for the completion). Please reduce the length of the prompt "
-            "or max_tokens.",
-            param="max_tokens" if requested >= max_model_len else prompt_param,
-        )
-    return requested
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:

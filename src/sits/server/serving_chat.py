@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from sits.core.errors import InvalidParameterError
+from sits.core.limits import resolve_limits
 from sits.server.context import ServerContext
 from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.logprobs import PositionLogprobs, chat_logprobs_content
@@ -31,7 +32,6 @@ from sits.server.params import (
     check_max_tokens,
     check_text_fits,
     default_max_tokens_cap,
-    resolve_max_tokens,
 )
 from sits.server.protocol import UsageInfo
 from sits.server.protocol_chat import (
@@ -136,8 +136,10 @@ def build_chat_prompt(
     token_ids = drop_double_bos(list(token_ids), tokenizer.bos_token_id)
     check_prompt_ids(token_ids, tokenizer, "messages")
     cap = default_max_tokens_cap(tenant, base.n, len(token_ids))
-    max_tokens = resolve_max_tokens(requested, len(token_ids), ctx.max_model_len, "messages", cap)
-    return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=max_tokens))
+    limits = resolve_limits(
+        len(token_ids), requested, ctx.max_model_len, prompt_param="messages", default_cap=cap
+    )
+    return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=limits.max_tokens))
 
 
 class _ChatRenderer:

@@ -109,15 +109,12 @@ def encode_prompt(tokenizer: ServerTokenizer, text: str, add_special_tokens: boo
 
 
 def check_prompt_ids(token_ids: list[int], tokenizer: ServerTokenizer, param: str) -> None:
-    """Refuse an empty prompt and token ids outside the vocabulary.
+    """Refuse token ids outside the vocabulary (an empty prompt is refused with the other
+    limits, `sits.core.limits.resolve_limits`).
 
     Raises:
         InvalidParameterError: naming `param`.
     """
-    if not token_ids:
-        raise InvalidParameterError(
-            param, f"{param} is empty: it must contain at least one token after tokenization."
-        )
     vocab_size = getattr(tokenizer, "vocab_size", None)
     for token_id in token_ids:
         if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from sits.core.errors import InvalidParameterError
+from sits.core.limits import resolve_limits
 from sits.core.outputs import Logprob
 from sits.core.sampling_params import SamplingParams
 from sits.server.context import ServerContext
@@ -31,7 +32,6 @@ from sits.server.params import (
     check_text_fits,
     completion_sampling_params,
     default_max_tokens_cap,
-    resolve_max_tokens,
 )
 from sits.server.protocol import UsageInfo
 from sits.server.protocol_completion import (
@@ -98,12 +98,9 @@ def build_prompts(
     cap = default_max_tokens_cap(tenant, len(items) * base.n, num_prompt_tokens)
     prompts = []
     for text, token_ids in encoded:
-        max_tokens = resolve_max_tokens(
-            req.max_tokens, len(token_ids), ctx.max_model_len, "prompt", cap
-        )
-        prompts.append(
-            EnginePrompt(text, token_ids, dataclasses.replace(base, max_tokens=max_tokens))
-        )
+        limits = resolve_limits(len(token_ids), req.max_tokens, ctx.max_model_len, default_cap=cap)
+        params = dataclasses.replace(base, max_tokens=limits.max_tokens)
+        prompts.append(EnginePrompt(text, token_ids, params))
     return prompts
 
 
