@@ -1,12 +1,16 @@
 """`EngineConfig`: the one immutable configuration of an engine, built from CLI flags or kwargs.
 
-Environment variables are read here only (none at import time).
+Environment variables are read here only (none at import time): every variable sits reads is
+named in `ENVIRONMENT_VARIABLES`, and `env_value` / `env_values` / `child_process_env` are the
+only reads of the process environment. Callers hand the values on as plain mappings, so the
+functions that interpret them stay pure (tests give them dicts).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from sits.core.errors import InvalidParameterError
@@ -234,8 +238,56 @@ def _check_quantization(name: str) -> None:
     raise InvalidParameterError("quantization", message)
 
 
+CACHE_DIR_ENV = "SITS_CACHE_DIR"
+API_KEY_ENV = "SITS_API_KEY"
+ADMIN_KEY_ENV = "SITS_ADMIN_KEY"
+ROUTER_KEY_ENV = "SITS_ROUTER_KEY"
+OPENAI_API_KEY_ENV = "OPENAI_API_KEY"
+MOE_CONFIG_DIR_ENV = "SITS_MOE_CONFIG_DIR"
+STEP_SHAPES_ENV = "SITS_STEP_SHAPES_FILE"
+PROFILE_STEPS_ENV = "SITS_PROFILE_STEPS"
+PROFILE_FILE_ENV = "SITS_PROFILE_FILE"
+OTEL_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTEL_SAMPLER_ARG_ENV = "OTEL_TRACES_SAMPLER_ARG"
+OTEL_SDK_DISABLED_ENV = "OTEL_SDK_DISABLED"
+TRACING_ENVS = (*OTEL_ENDPOINT_ENVS, OTEL_SAMPLER_ARG_ENV, OTEL_SDK_DISABLED_ENV)
+
+ENVIRONMENT_VARIABLES: dict[str, str] = {
+    CACHE_DIR_ENV: "directory of locally made artifacts (the demo model; ~/.cache/sits)",
+    API_KEY_ENV: "`sits serve`'s bearer key when --api-key is not given",
+    ADMIN_KEY_ENV: "`sits serve`'s admin key when --admin-key is not given",
+    ROUTER_KEY_ENV: "the fleet router's key (`sits router`, `sits serve --register-with`)",
+    OPENAI_API_KEY_ENV: "`sits bench serve`'s key for the server under test",
+    MOE_CONFIG_DIR_ENV: "another directory of tuned fused-MoE configs (A/B of configs)",
+    STEP_SHAPES_ENV: "file the engine appends each step's shape to (for replays)",
+    PROFILE_STEPS_ENV: "START:COUNT, engine steps to run under torch.profiler",
+    PROFILE_FILE_ENV: "where the step profile goes (sits-profile-PID.txt)",
+    OTEL_ENDPOINT_ENVS[0]: "OpenTelemetry: OTLP endpoint of traces (turns tracing on)",
+    OTEL_ENDPOINT_ENVS[1]: "OpenTelemetry: OTLP endpoint (turns tracing on)",
+    OTEL_SAMPLER_ARG_ENV: "OpenTelemetry: the traces' sample ratio",
+    OTEL_SDK_DISABLED_ENV: "OpenTelemetry: 'true' turns tracing off",
+}
+
+
+def env_value(name: str) -> str | None:
+    """The process environment's value of variable `name` (one of `ENVIRONMENT_VARIABLES`),
+    None when unset."""
+    assert name in ENVIRONMENT_VARIABLES, f"{name} is not in ENVIRONMENT_VARIABLES"
+    return os.environ.get(name)
+
+
+def env_values(*names: str) -> dict[str, str]:
+    """The variables of `names` (each one of `ENVIRONMENT_VARIABLES`) that are set, by name."""
+    values = {name: env_value(name) for name in names}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def child_process_env(*, without: Iterable[str] = ()) -> dict[str, str]:
+    """A copy of the whole process environment for a child process, less the `without` names."""
+    dropped = set(without)
+    return {name: value for name, value in os.environ.items() if name not in dropped}
+
+
 def sits_cache_dir() -> str:
     """Directory for locally made artifacts (demo model): $SITS_CACHE_DIR or ~/.cache/sits."""
-    return os.environ.get("SITS_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sits"
-    )
+    return env_value(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "sits")

@@ -32,6 +32,7 @@ import httpx
 from sits.bench.client import COMPLETIONS, build_body
 from sits.bench.errors import BenchmarkError
 from sits.bench.server_proc import free_port, serve_command, server_env
+from sits.config import child_process_env
 
 LOOPBACK = "127.0.0.1"
 REPLICA_KINDS = ("fake", "sits")
@@ -71,7 +72,7 @@ class LoopbackProcess:
                 self.command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(os.environ),
+                env=server_env(child_process_env()),
                 start_new_session=True,
             )
 

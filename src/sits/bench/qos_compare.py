@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
 import shlex
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from sits.bench.report import command_line, format_report, machine_info
 from sits.bench.serve import add_workload_args, config_from_args, run_config, write_json
 from sits.bench.server_proc import SitsServer
 from sits.bench.server_view import ServerView, format_view, scrape, summarize
+from sits.config import OPENAI_API_KEY_ENV, env_values
 from sits.core.errors import InvalidParameterError, SitsError
 
 SCHEMA = "sits.bench.qos/1"
@@ -211,7 +211,9 @@ def run_modes(
         server = SitsServer(args.server_model, [*common, *mode.serve_args], log_path,
                             startup_timeout_s=args.startup_timeout_s)  # fmt: skip
         with server:
-            config = config_from_args(args, dict(os.environ), base_url=server.base_url)
+            config = config_from_args(
+                args, env_values(OPENAI_API_KEY_ENV), base_url=server.base_url
+            )
             doc = run_config(config, f"{command}  # mode {mode.name}", gpu_info=False)
             view = _server_view(server.base_url, log_dir / f"metrics-{mode.name}.txt")
         doc["mode"] = {"name": mode.name, "serve_args": [*common, *mode.serve_args]}

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ from sits.bench.probe import PROMPT_FORMATS
 from sits.bench.report import build_result, command_line, format_report, machine_info
 from sits.bench.runner import ServeBenchConfig, run_serve_benchmark
 from sits.bench.workload import DEFAULT_TENANT, TenantLoad
+from sits.config import OPENAI_API_KEY_ENV, env_values
 from sits.core.errors import SitsError
 
-API_KEY_ENV = "OPENAI_API_KEY"
 DESCRIPTION = (
     "Send Poisson-timed streamed requests to an OpenAI-compatible server and report "
     "TTFT/TPOT/ITL/E2E percentiles, throughput, SLO attainment and goodput."
@@ -51,7 +50,7 @@ def add_workload_args(p: argparse.ArgumentParser, include_model: bool = True) ->
         p.add_argument(
             "--model", default=None, help="model name to send (default: the first listed)"
         )
-    p.add_argument("--api-key", default=None, help=f"bearer key (default ${API_KEY_ENV})")
+    p.add_argument("--api-key", default=None, help=f"bearer key (default ${OPENAI_API_KEY_ENV})")
     p.add_argument(
         "--dataset",
         default="random",
@@ -151,7 +150,7 @@ def config_from_args(
     Raises:
         InvalidParameterError: a flag or the tenants-mix file is invalid.
     """
-    api_key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else environ.get(OPENAI_API_KEY_ENV) or None
     fallback = fallback_tenant(args, api_key)
     tenants = (
         [fallback] if args.tenants_mix is None else load_tenants_mix(args.tenants_mix, fallback)
@@ -190,7 +189,7 @@ def write_json(doc: dict[str, Any], path: str) -> None:
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run `sits bench serve` with parsed flags; returns the exit code (see module)."""
     quiet_http_logs()  # the server's health polls too
-    config = config_from_args(args, dict(os.environ))
+    config = config_from_args(args, env_values(OPENAI_API_KEY_ENV))
     command = getattr(args, "command_line", None) or command_line()
     doc = run_config(config, command, gpu_info=args.gpu_info)
     print(format_report(doc))

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 
 from sits.bench.errors import BenchmarkError
+from sits.config import API_KEY_ENV, child_process_env
 
 _POLL_S = 0.2
-_SERVER_KEY_ENV = "SITS_API_KEY"
 _LOG_TAIL_CHARS = 3000
 
 
@@ -42,7 +42,7 @@ def server_env(environ: Mapping[str, str]) -> dict[str, str]:
     that is not installed)."""
     import sits
 
-    env = {k: v for k, v in environ.items() if k != _SERVER_KEY_ENV}
+    env = {k: v for k, v in environ.items() if k != API_KEY_ENV}
     src = str(Path(sits.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return env
@@ -99,7 +99,10 @@ class SitsServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(os.environ)
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(child_process_env()),
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:

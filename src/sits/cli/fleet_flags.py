@@ -21,6 +21,7 @@ import argparse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from sits.config import ROUTER_KEY_ENV
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import DEFAULT_VERSION_LABEL
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from sits.server.faults import FaultSpec
     from sits.server.registration import RegistrationSettings
 
-ROUTER_KEY_ENV = "SITS_ROUTER_KEY"
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 _FLAG_OF = {
     "router_url": "--register-with",

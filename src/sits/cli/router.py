@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any
 
+from sits.config import ROUTER_KEY_ENV, env_values
 from sits.router.canary import CanaryConfig
 from sits.router.settings import DEFAULT_FALLBACK_P99_S, DEFAULT_LOAD_BOUND, DEFAULT_MAX_ATTEMPTS
 from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 
-ROUTER_KEY_ENV = "SITS_ROUTER_KEY"
 EXIT_BAD_CONFIG = 2
 
 
@@ -199,7 +198,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     logging.getLogger("sits").setLevel(args.log_level.upper())
     try:
-        settings = router_settings(args, os.environ)
+        settings = router_settings(args, env_values(ROUTER_KEY_ENV))
         http = resolve_http(args.http)
         factory = loop_factory(args.loop)
     except SitsError as exc:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ from sits.cli.fleet_flags import (
     registration_arg,
     resolve_router_key,
 )
+from sits.config import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, TRACING_ENVS, env_values
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
 from sits.engine.arg_utils import add_engine_args, engine_kwargs
@@ -43,8 +43,6 @@ from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 if TYPE_CHECKING:
     from sits.tenancy import TenantsConfig
 
-API_KEY_ENV = "SITS_API_KEY"
-ADMIN_KEY_ENV = "SITS_ADMIN_KEY"
 EXIT_BAD_CONFIG = 2
 # Thread switch interval of the server process: 0.2 ms cuts the GIL convoy's cost per HTTP
 # system call ~13x against CPython's 5 ms (measured with a Python-busy thread beside a socket
@@ -382,14 +380,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model and args.model_tag and args.model != args.model_tag:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    api_key = resolve_api_key(args, os.environ)
-    router_key = resolve_router_key(args, os.environ)
+    api_key = resolve_api_key(args, env_values(API_KEY_ENV))
+    router_key = resolve_router_key(args, env_values(ROUTER_KEY_ENV))
     try:
         tenants = load_tenants_arg(args.tenants, api_key)
         registration = registration_arg(args, router_key)
         fault_injection = fault_injection_arg(args)
         precision_policy = precision_policy_arg(args)
-        tracing = tracing_settings_arg(args, os.environ)
+        tracing = tracing_settings_arg(args, env_values(*TRACING_ENVS))
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation is refused here, before the model loads.
         http = resolve_http(args.http)
@@ -443,7 +441,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants=tenants,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         audit=audit_settings_arg(args),
-        admin_key=resolve_admin_key(args, os.environ),
+        admin_key=resolve_admin_key(args, env_values(ADMIN_KEY_ENV)),
         tracing=tracing,
         gpu_price_per_hour=args.gpu_price_per_hour,
         router_key=router_key,

@@ -24,13 +24,18 @@ and its outputs carry its set and each request's switches since its first step.
 from __future__ import annotations
 
 import heapq
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sits.config import EngineConfig
+from sits.config import (
+    PROFILE_FILE_ENV,
+    PROFILE_STEPS_ENV,
+    STEP_SHAPES_ENV,
+    EngineConfig,
+    env_values,
+)
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
@@ -211,8 +216,8 @@ class EngineCore:
         self.num_prefill_chunks = 0
         self.num_wasted_prefill_tokens = 0
         self.clock: Callable[[], float] = time.monotonic
-        self.step_shapes = recorder_from_env(os.environ)  # SITS_STEP_SHAPES_FILE, for replays
-        self.step_profiler = profiler_from_env(os.environ)  # SITS_PROFILE_STEPS=START:COUNT
+        self.step_shapes = recorder_from_env(env_values(STEP_SHAPES_ENV))  # for replays
+        self.step_profiler = profiler_from_env(env_values(PROFILE_STEPS_ENV, PROFILE_FILE_ENV))
         self.prefill_chunks: deque[PrefillChunk] = deque(maxlen=MAX_PREFILL_CHUNK_LOG)
         self._first_scheduled_s: dict[str, float] = {}
         self._unreported_first_scheduled: set[str] = set()

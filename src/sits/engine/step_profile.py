@@ -19,10 +19,9 @@ from collections.abc import Mapping
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sits.config import PROFILE_FILE_ENV, PROFILE_STEPS_ENV
 from sits.core.errors import InvalidParameterError
 
-PROFILE_STEPS_ENV = "SITS_PROFILE_STEPS"
-PROFILE_FILE_ENV = "SITS_PROFILE_FILE"
 _ROW_LIMIT = 40
 
 

@@ -22,9 +22,8 @@ import json
 from collections.abc import Mapping
 from typing import TextIO
 
+from sits.config import STEP_SHAPES_ENV
 from sits.core.plan import StepPlan
-
-STEP_SHAPES_ENV = "SITS_STEP_SHAPES_FILE"
 
 
 class StepShapeRecorder:

@@ -21,17 +21,16 @@ Invariants:
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from sits.config import MOE_CONFIG_DIR_ENV, env_value
 from sits.core.errors import InvalidParameterError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-CONFIG_DIR_ENV = "SITS_MOE_CONFIG_DIR"  # another directory of tuned files (A/B of configs)
 DTYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -201,7 +200,7 @@ class MoeConfigStore:
 
     def __init__(self, config_dir: str | Path | None = None) -> None:
         if config_dir is None:
-            config_dir = os.environ.get(CONFIG_DIR_ENV) or CONFIG_DIR
+            config_dir = env_value(MOE_CONFIG_DIR_ENV) or CONFIG_DIR
         self.config_dir = Path(config_dir)
         self._tables: dict[tuple, dict[int, MoeLaunchConfig] | None] = {}
 

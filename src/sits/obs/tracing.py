@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
 from opentelemetry.trace import SpanContext, StatusCode
 
+from sits.config import OTEL_ENDPOINT_ENVS, OTEL_SAMPLER_ARG_ENV, OTEL_SDK_DISABLED_ENV
 from sits.core.errors import InvalidParameterError
 
 DEFAULT_SERVICE_NAME = "sits"
@@ -44,9 +45,6 @@ ERROR_TYPE = "error.type"  # OpenTelemetry semantic conventions
 SLO_VIOLATED = "sits.slo.violated"
 OTLP_TRACES_PATH = "/v1/traces"
 
-_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-_RATIO_ENV = "OTEL_TRACES_SAMPLER_ARG"
-_DISABLED_ENV = "OTEL_SDK_DISABLED"
 _MAX_DECISIONS = 4096
 
 
@@ -115,17 +113,17 @@ def resolve_tracing(
     Raises:
         InvalidParameterError: a bad URL or ratio (the variable's included).
     """
-    if environ.get(_DISABLED_ENV, "").strip().lower() == "true":
+    if environ.get(OTEL_SDK_DISABLED_ENV, "").strip().lower() == "true":
         return None
-    if endpoint is None and not any(environ.get(name) for name in _ENDPOINT_ENVS):
+    if endpoint is None and not any(environ.get(name) for name in OTEL_ENDPOINT_ENVS):
         return None
     if sample_ratio is None:
-        raw = environ.get(_RATIO_ENV)
+        raw = environ.get(OTEL_SAMPLER_ARG_ENV)
         try:
             sample_ratio = 1.0 if raw is None or not raw.strip() else float(raw)
         except ValueError as exc:
             raise InvalidParameterError(
-                "trace_sample_ratio", f"{_RATIO_ENV}={raw!r} is not a number"
+                "trace_sample_ratio", f"{OTEL_SAMPLER_ARG_ENV}={raw!r} is not a number"
             ) from exc
     return TracingSettings(
         endpoint=None if endpoint is None else traces_endpoint(endpoint),
