@@ -18,7 +18,7 @@ import pytest
 
 from sits import LLM, SamplingParams
 from sits.runner.swap import GIB_BYTES
-from sits.server.metrics import _host_tier_families
+from sits.obs.server_metrics import _host_tier_families
 from tests.engine.hf_reference import random_prompts
 
 BLOCK_SIZE = 16

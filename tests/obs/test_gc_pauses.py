@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sits.obs.gc_pauses import GcPauseMonitor, IdleFullCollections, freeze_startup_heap
-from sits.server.loop_lag import EventLoopLagMonitor
+from sits.obs.loop_lag import EventLoopLagMonitor
 
 
 def test_record_observes_and_warns_once_per_period(caplog) -> None:

@@ -21,7 +21,7 @@ from sits.admission import BreakerConfig, OverloadState
 from sits.config import EngineConfig
 from sits.obs.tracing import TracingSettings
 from sits.server.context import ServerSettings
-from sits.server.qos import QosSettings
+from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig
 from tests.server.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 from tests.server.live import LiveServer

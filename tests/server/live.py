@@ -20,7 +20,7 @@ import openai
 
 from sits.server.app import build_app
 from sits.server.context import ServerSettings
-from sits.server.runner import DrainingServer, make_server
+from sits.server.uvicorn_server import DrainingServer, make_server
 
 _START_TIMEOUT_S = 120.0
 

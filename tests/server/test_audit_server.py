@@ -8,8 +8,8 @@ import httpx
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sits.obs import find_records, verify_log
+from sits.obs.request_audit import AuditSettings
 from sits.obs.tracing import TracingSettings
-from sits.server.audit_sink import AuditSettings
 from sits.server.context import ServerSettings
 from tests.server.live import LiveServer, metric_samples
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from sits.server.context import ServerSettings
-from sits.server.qos import QosSettings
+from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, tenant, tenant_engine

@@ -15,17 +15,12 @@ from prometheus_client import CollectorRegistry, Counter
 from sits.cli.serve import add_serve_parser
 from sits.core.errors import InvalidParameterError
 from sits.engine.core import PrefillChunk
-from sits.server import dashboard
+from sits.obs.dashboard_data import MetricSamples, chunks_by_request
+from sits.obs.timeline import RequestTimeline, TimelineBuffer, latency_summary, percentiles
+from sits.server import routes_dashboard
 from sits.server.context import ServerSettings
-from sits.server.dashboard import (
-    MetricSamples,
-    _chunks_by_request,
-    _latency,
-    dashboard_html,
-    dashboard_router,
-)
 from sits.server.errors import install_error_handlers
-from sits.server.timeline import RequestTimeline, TimelineBuffer, percentiles
+from sits.server.routes_dashboard import dashboard_html, dashboard_router
 
 
 def _timeline(request_id: str, n: int = 1, arrival_s: float = 10.0, **fields) -> RequestTimeline:
@@ -71,7 +66,7 @@ def test_timeline_ring_keeps_the_latest_and_latency_skips_aborts() -> None:
     assert (timeline.queue_s, timeline.ttft_s, timeline.e2e_s) == (0.5, 1.0, 3.0)
     never_run = _timeline("y", first_scheduled_s=None, first_token_s=None, finish_reason="abort")
     assert never_run.queue_s is None and never_run.ttft_s is None
-    latency = _latency([*ring.recent(), never_run])
+    latency = latency_summary([*ring.recent(), never_run])
     assert latency["num_requests"] == 3
     assert latency["ttft_s"] == {"p50": 3.0, "p90": 4.0, "p99": 4.0}
     assert latency["queue_s"] == {"p50": 0.5, "p90": 0.5, "p99": 0.5}
@@ -88,7 +83,7 @@ def test_chunks_are_matched_to_their_request_and_samples() -> None:
         PrefillChunk("zzz", 1.0, 2.0, 0, 1),  # a request no longer shown
         PrefillChunk("a", 2.0, 3.0, 16, 4),
     ]
-    matched = _chunks_by_request(timelines, chunks)
+    matched = chunks_by_request(timelines, chunks)
     assert {k: [c.num_tokens for c in v] for k, v in matched.items()} == {
         "a": [16, 4],
         "b": [8, 8],
@@ -125,12 +120,14 @@ def test_recent_requests_are_hidden_with_tenants_and_no_admin_key(monkeypatch) -
     """A tenant never sees another's requests: with tenants and no admin key the data keeps
     its aggregates but no request (nor asks the engine for its chunks)."""
     full = {"totals": {"prompt_tokens": 7.0}, "requests": [{"request_id": "cmpl-1"}]}
-    monkeypatch.setattr(dashboard, "dashboard_data", lambda ctx, chunks: {**full, "chunks": chunks})
+    monkeypatch.setattr(
+        routes_dashboard, "dashboard_data", lambda ctx, chunks: {**full, "chunks": chunks}
+    )
 
     async def chunks(engine) -> list:
         return ["chunk"]
 
-    monkeypatch.setattr(dashboard, "_engine_chunks", chunks)
+    monkeypatch.setattr(routes_dashboard, "_engine_chunks", chunks)
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(dashboard_router)
@@ -151,7 +148,7 @@ def test_recent_requests_are_hidden_with_tenants_and_no_admin_key(monkeypatch) -
             assert data["requests_hidden"] is None
         else:
             assert data["requests"] == [] and data["chunks"] == []
-            assert data["requests_hidden"] == dashboard.REQUESTS_HIDDEN
+            assert data["requests_hidden"] == routes_dashboard.REQUESTS_HIDDEN
 
 
 def test_gpu_price_setting_and_flag() -> None:

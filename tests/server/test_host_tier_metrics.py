@@ -7,7 +7,7 @@ import asyncio
 from sits.config import EngineConfig
 from sits.core.sampling_params import SamplingParams
 from sits.engine.async_llm import AsyncLLM
-from sits.server.metrics import _host_tier_families
+from sits.obs.server_metrics import _host_tier_families
 
 
 def test_swap_counters_are_exported(tiny_model_factory) -> None:

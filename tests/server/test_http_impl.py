@@ -56,7 +56,7 @@ def test_unknown_choices_are_refused() -> None:
 def test_successful_health_probes_leave_no_access_line() -> None:
     import logging
 
-    from sits.server.runner import QuietProbes
+    from sits.server.uvicorn_server import QuietProbes
 
     def record(path: str, status: int) -> logging.LogRecord:
         args = ("127.0.0.1:5000", "GET", path, "1.1", status)

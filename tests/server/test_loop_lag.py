@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sits.core.errors import InvalidParameterError
-from sits.server.loop_lag import EventLoopLagMonitor, apply_switch_interval
+from sits.obs.loop_lag import EventLoopLagMonitor, apply_switch_interval
 from tests.server.test_cli import _parse
 
 
@@ -23,7 +23,7 @@ def _sample(registry: CollectorRegistry, suffix: str) -> float:
 def test_record_counts_clamps_and_warns_once_per_period(caplog) -> None:
     registry = CollectorRegistry()
     monitor = EventLoopLagMonitor(registry, "m", interval_s=0.01, warn_lag_s=0.2, warn_every_s=10)
-    with caplog.at_level("WARNING", logger="sits.server.loop_lag"):
+    with caplog.at_level("WARNING", logger="sits.obs.loop_lag"):
         monitor.record(-0.001, now_s=100.0)  # early wake-up: 0
         monitor.record(0.3, now_s=101.0)  # warns
         monitor.record(0.5, now_s=105.0)  # within 10 s of the last warning: silent

@@ -13,8 +13,8 @@ from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
 from sits.engine.core import split_step_time
 from sits.engine.requests import make_engine_requests
-from sits.server.cost_metrics import CostCollector, cost_per_million_tokens
-from sits.server.tenant_metrics import TenantMetrics
+from sits.obs.cost_metrics import CostCollector, cost_per_million_tokens
+from sits.obs.tenant_metrics import TenantMetrics
 from sits.tenancy import TenantsConfig
 from tests.server.tenant_fixtures import tenant
 

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from sits.obs import find_records, verify_log
-from sits.server.audit_sink import AuditSettings
+from sits.obs.request_audit import AuditSettings
 from sits.server.context import ServerSettings
 from tests.server.live import LiveServer, metric_samples
 

@@ -14,7 +14,7 @@ import pytest
 from sits.admission import OverloadState
 from sits.admission.precision_policy import PrecisionPolicyKind, PrecisionPolicySettings
 from sits.obs import find_records, verify_log
-from sits.server.audit_sink import AuditSettings
+from sits.obs.request_audit import AuditSettings
 from sits.server.context import ServerSettings
 from tests.server.live import LiveServer, metric_samples
 from tests.server.precision_fakes import SwitchingEngine

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from sits.server.context import ServerSettings
-from sits.server.qos import QosSettings
+from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig, Tier
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import (

@@ -30,10 +30,10 @@ from sits.cli.fleet_flags import registration_arg, resolve_router_key
 from sits.cli.serve import add_serve_parser, run_serve
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import DEREGISTER_PATH, HEARTBEAT_PATH, REGISTER_PATH, Heartbeat
+from sits.obs.timeline import RequestTimeline, TimelineBuffer
 from sits.server.context import ServerSettings
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.registration import FleetRegistration, RegistrationSettings
-from sits.server.timeline import RequestTimeline, TimelineBuffer
 from tests.server.live import LiveServer, free_port
 
 ROUTER_KEY = "router-secret"

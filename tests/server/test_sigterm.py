@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from sits.server.runner import DrainingServer
+from sits.server.uvicorn_server import DrainingServer
 from tests.server.live import free_port
 
 PROMPT = "def fibonacci(n):"

@@ -16,7 +16,7 @@ import pytest
 from sits.admission import FakeClock, format_reset
 from sits.server.context import ServerSettings
 from sits.server.params import default_max_tokens_cap
-from sits.server.qos import QosSettings
+from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig, Tier
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import (

@@ -15,7 +15,7 @@ import pytest
 
 from sits.admission import BreakerConfig, FakeClock, OverloadState
 from sits.server.context import ServerSettings
-from sits.server.qos import QosSettings
+from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig, Tier
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import (

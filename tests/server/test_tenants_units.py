@@ -17,12 +17,12 @@ from sits.admission import (
 )
 from sits.core.errors import EngineDeadError, InvalidParameterError, PromptTooLongError
 from sits.engine.core import WaitingLoad
+from sits.obs.tenant_metrics import TenantMetrics
 from sits.server.context import ServerSettings
 from sits.server.errors import ServerError
 from sits.server.lifecycle import draining_error
-from sits.server.overload_watch import OverloadWatcher, PrefillRateEstimator, overload_signals
-from sits.server.qos import Outcome, QosSettings, ServerQos, is_engine_failure, outcome_of
-from sits.server.tenant_metrics import TenantMetrics
+from sits.server.qos.admit import Outcome, QosSettings, ServerQos, is_engine_failure, outcome_of
+from sits.server.qos.overload_watch import OverloadWatcher, PrefillRateEstimator, overload_signals
 from sits.tenancy import TenantsConfig, Tier
 from tests.server.tenant_fixtures import tenant
 
@@ -227,9 +227,9 @@ def test_state_changes_warn_only_when_some_tenant_can_be_shed(caplog) -> None:
         watcher = OverloadWatcher(engine, _qos(FakeClock(100.0), engine, tenants))
         tenant_id = tenants.tenants[0].id
         engine.snapshot.waiting = {tenant_id: WaitingLoad(98.0, 50)}  # waited 2 s: yellow
-        with caplog.at_level("INFO", logger="sits.server.overload_watch"):
+        with caplog.at_level("INFO", logger="sits.server.qos.overload_watch"):
             assert watcher.tick(now_s=100.0) is OverloadState.YELLOW
-        (record,) = [r for r in caplog.records if r.name == "sits.server.overload_watch"]
+        (record,) = [r for r in caplog.records if r.name == "sits.server.qos.overload_watch"]
         assert record.levelname == level
         assert record.getMessage().startswith("overload state green -> yellow")
         assert record.getMessage().endswith("TTFT 0.00 s)" + suffix)
@@ -395,8 +395,8 @@ def test_a_shed_request_misses_each_slo_of_its_tenant() -> None:
 def test_prompt_tokens_count_only_once_the_request_was_scheduled() -> None:
     from sits.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from sits.core.sampling_params import SamplingParams
+    from sits.obs.server_metrics import ServerMetrics
     from sits.server.jobs import EnginePrompt
-    from sits.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(SimpleNamespace(), "m")
     metrics.tenants = TenantMetrics(metrics.registry, "m", TENANTS)

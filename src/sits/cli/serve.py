@@ -309,7 +309,7 @@ def load_tenants_arg(path: str | None, api_key: str | None) -> TenantsConfig | N
 
 def audit_settings_arg(args: argparse.Namespace) -> Any:
     """The `AuditSettings` of the --audit-* flags (None without --audit-log)."""
-    from sits.server.audit_sink import AuditSettings
+    from sits.obs.request_audit import AuditSettings
 
     if args.audit_log is None:
         return None
@@ -368,11 +368,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from sits.config import EngineConfig
     from sits.core.errors import SitsError
     from sits.demo import DEMO_MODEL_NAME, TRAINED_DESCRIPTION, demo_info, ensure_demo_model
+    from sits.obs.loop_lag import apply_switch_interval
     from sits.server.app import build_app
     from sits.server.context import ServerSettings
     from sits.server.http_impl import loop_factory, resolve_http
-    from sits.server.loop_lag import apply_switch_interval
-    from sits.server.runner import run_app
+    from sits.server.uvicorn_server import run_app
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("sits").setLevel(args.log_level.upper())

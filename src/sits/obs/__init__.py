@@ -1,6 +1,11 @@
-"""Observability: the tamper-evident audit log (record, chain, writer, verifier).
+"""Observability: the tamper-evident audit log (record, chain, writer, verifier), re-exported
+here; and, imported by module, the server's metrics (`server_metrics`, `tenant_metrics`,
+`cost_metrics`, `loop_lag`, `gc_pauses`), request timelines and dashboard data (`timeline`,
+`dashboard_data`), the per-request audit (`request_audit`) and tracing (`tracing`,
+`trace_spans`).
 
-Layer L0: imports only `sits.core.errors`; engine objects are read through Protocols.
+Layer L1 (`docs/layers.toml`): imports `sits.core`, `sits.config` and `sits.tenancy` only;
+engine and server objects are read through Protocols or by attribute.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ With `--tenants`, the router maps a client's bearer key to its tenant (401 other
 the request against the tenant's `requests_per_minute`, `tokens_per_minute` and
 `max_concurrent` through the same `AdmissionController` as `sits serve`, so a tenant's budget is
 spent once however many replicas serve it; a refusal is the same 429 (Retry-After,
-retry-after-ms, x-ratelimit-*), built by `sits.server.qos.rejection_error`.
+retry-after-ms, x-ratelimit-*), built by `sits.server.qos.admit.rejection_error`.
 
 The router does not tokenize. A request reserves an estimate of its prompt tokens
 (`estimate_prompt_tokens`: token ids counted exactly, text at `BYTES_PER_TOKEN` UTF-8 bytes per
@@ -26,7 +26,7 @@ from typing import Any
 
 from sits.admission import AdmissionController, AdmissionTicket, Clock
 from sits.server.errors import ServerError
-from sits.server.qos import rejection_error
+from sits.server.qos.admit import rejection_error
 from sits.tenancy import TenantConfig, TenantsConfig
 
 BYTES_PER_TOKEN = 4

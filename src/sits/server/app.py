@@ -8,8 +8,8 @@ engine down and then closes the audit log. With `--fault-injection`,
 `FaultInjectionMiddleware` (innermost, `sits.server.faults`) delays, fails or hangs a share of
 the generation requests. `QosHeadersMiddleware` puts the overload state and the tenant's
 rate-limit headers on every response; with tracing on, `TracingMiddleware` makes one trace per
-request (`sits.server.tracing`). `GET /dashboard` serves the live dashboard
-(`sits.server.dashboard`). Nothing is global, so one process may build several apps.
+request (`sits.server.request_tracing`). `GET /dashboard` serves the live dashboard
+(`sits.server.routes_dashboard`). Nothing is global, so one process may build several apps.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from fastapi import FastAPI
 import sits
 from sits.server.admin import admin_router
 from sits.server.context import ServerContext, ServerSettings
-from sits.server.dashboard import dashboard_router
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.faults import FaultInjectionMiddleware
 from sits.server.lifecycle import ServerLifecycle
-from sits.server.qos_headers import QosHeadersMiddleware
+from sits.server.qos.headers import QosHeadersMiddleware
 from sits.server.received import ReceivedAtMiddleware
+from sits.server.request_tracing import TracingMiddleware
 from sits.server.routes import api_router, models_router, ops_router
+from sits.server.routes_dashboard import dashboard_router
 from sits.server.serving_common import count_invalid_body
-from sits.server.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from fastapi import Request
 
 from sits.core.fleet import TENANT_HEADER
 from sits.server.errors import ServerError
-from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.server.qos.headers import TENANT_STATE_KEY
 from sits.server.trusted import router_tenant
 from sits.tenancy import TenantConfig
 

@@ -19,22 +19,23 @@ from typing import Any, TypeVar
 
 from sits.admission.precision_policy import PrecisionPolicySettings
 from sits.core.errors import InvalidParameterError
+from sits.obs.cost_metrics import CostCollector
+from sits.obs.loop_lag import EventLoopLagMonitor
+from sits.obs.request_audit import AuditSettings, ServerAudit
+from sits.obs.server_metrics import ServerMetrics
+from sits.obs.tenant_metrics import TenantMetrics
 from sits.obs.tracing import TracingSettings
-from sits.server.audit_sink import AuditSettings, ServerAudit
-from sits.server.cost_metrics import CostCollector
 from sits.server.engine_client import EngineClient, ServerTokenizer
 from sits.server.errors import model_not_found
 from sits.server.faults import FaultInjector, FaultSpec
 from sits.server.jobs import EnginePrompt, GenerationJob
 from sits.server.lifecycle import ServerLifecycle
-from sits.server.loop_lag import EventLoopLagMonitor
-from sits.server.metrics import ServerMetrics
-from sits.server.overload_watch import OverloadWatcher
 from sits.server.precision import PrecisionCollector, PrecisionSwitcher
-from sits.server.qos import QosSettings, ServerQos
+from sits.server.qos.admit import QosSettings, ServerQos
+from sits.server.qos.metrics import QosCollector
+from sits.server.qos.overload_watch import OverloadWatcher
 from sits.server.registration import FleetRegistration, RegistrationSettings
-from sits.server.tenant_metrics import QosCollector, TenantMetrics
-from sits.server.tracing import RequestTracer
+from sits.server.request_tracing import RequestTracer
 from sits.tenancy import TenantConfig, TenantsConfig
 
 T = TypeVar("T")
@@ -63,7 +64,7 @@ class ServerSettings:
         tracing: OpenTelemetry tracing (`--otlp-traces-endpoint`, `--trace-sample-ratio`);
             None = off.
         gpu_price_per_hour: price of one GPU-hour (`--gpu-price-per-hour`) for the cost
-            metrics (`sits.server.cost_metrics`); 0 = no cost metrics.
+            metrics (`sits.obs.cost_metrics`); 0 = no cost metrics.
         router_key: the fleet router's bearer key (`--router-key`): the key of the heartbeat
             posts, and the only key whose requests may name their tenant in `x-sits-tenant`
             (`sits.server.trusted`); None = no router.
@@ -135,7 +136,7 @@ class ServerContext:
         metrics: the server's metrics (per tenant too).
         cost: the cost metrics (GPU-seconds per tenant, cost per 1M tokens).
         audit: the audit log (opened by the app's lifespan), or None.
-        tracer: the request tracer (`sits.server.tracing`), or None when tracing is off.
+        tracer: the request tracer (`sits.server.request_tracing`), or None when tracing is off.
         tokenize_executor: the one thread that tokenizes prompts (`run_tokenizer`); shut down
             by the app's lifespan.
         registration: the fleet heartbeat task (started and stopped by the app's lifespan),
@@ -255,7 +256,7 @@ class ServerContext:
     ) -> GenerationJob:
         """A job of `tenant` for `prompts` with a fresh request id `prefix-<hex>` and metrics
         attached; its prefix-cache namespace is `ServerQos.cache_salt(tenant, cache_salt)`;
-        `received_s`: the HTTP request's receipt (`server.received.received_at`)."""
+        `received_s`: the HTTP request's receipt (`sits.server.received.received_at`)."""
         return GenerationJob(
             self.engine,
             f"{prefix}-{uuid.uuid4().hex}",

@@ -3,7 +3,7 @@
 "auto" takes httptools and uvloop when they are installed (`pip install httptools uvloop`, as
 uvicorn[standard] does; sits does not require them), else h11 and asyncio's own loop. The HTTP
 process parses every request and writes every streamed token as an SSE event, so its cost per
-event bounds TTFT and ITL under load. Kept apart from `sits.server.runner` (which imports
+event bounds TTFT and ITL under load. Kept apart from `sits.server.uvicorn_server` (which imports
 uvicorn) so the CLI can offer the choices without importing the server.
 """
 

@@ -37,10 +37,11 @@ from sits.core.errors import InvalidParameterError, PromptTooLongError
 from sits.core.outputs import RequestOutput
 from sits.core.request import START_DEADLINE_MISSED
 from sits.core.sampling_params import SamplingParams
+from sits.obs.output_observer import OutputObserver
 from sits.server.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from sits.server.audit_sink import ServerAudit
+    from sits.obs.request_audit import ServerAudit
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +55,6 @@ class EnginePrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
-
-
-class OutputObserver:
-    """Receives every output of one engine request (metrics); the default does nothing."""
-
-    def on_output(self, output: RequestOutput) -> None:
-        """Called for each output, in order, on the event loop."""
-
-    def on_abort(self) -> None:
-        """Called once when the request ends without a finished output (abort, failure)."""
 
 
 class _ObserverPair(OutputObserver):

@@ -78,8 +78,9 @@ class ServerLifecycle:
         self.num_admitted = 0
         self._jobs: set[GenerationJob] = set()
         self.drain_started = asyncio.Event()  # set by the first `drain()`
-        # Set by `sits.server.runner.DrainingServer` once its sockets accept connections, with
-        # the port bound (useful with port 0); never set for an app served otherwise.
+        # Set by `sits.server.uvicorn_server.DrainingServer` once its sockets accept
+        # connections, with the port bound (useful with port 0); never set for an app served
+        # otherwise.
         self.listening = asyncio.Event()
         self.bound_port: int | None = None
         self._idle = asyncio.Event()

@@ -1,7 +1,7 @@
 """Fleet registration: a replica's heartbeats to `sits router` (`sits serve --register-with`).
 
 `FleetRegistration` runs one task in the app's lifespan. Once the server listens
-(`ServerLifecycle.listening`, set by `sits.server.runner.DrainingServer`) it posts the
+(`ServerLifecycle.listening`, set by `sits.server.uvicorn_server.DrainingServer`) it posts the
 replica's `Heartbeat`
 (`sits.core.fleet`: its URL, model, version label, capacity, context length and load) to
 ROUTER + REGISTER_PATH until the router accepts one, then to ROUTER + HEARTBEAT_PATH every
@@ -12,7 +12,7 @@ programmatic stop) `stop()` deregisters the same way.
 
 The load of a heartbeat: `engine.stats()` (running, waiting, KV usage), the QoS overload state,
 the lifecycle's draining flag, and TTFT/TPOT p50/p99 over the requests of the server's timeline
-ring that ended within `latency_window_s` (`sits.server.timeline.latency_summary`, the same
+ring that ended within `latency_window_s` (`sits.obs.timeline.latency_summary`, the same
 figures as the dashboard); None without such requests.
 
 Invariants:
@@ -49,9 +49,9 @@ from sits.core.fleet import (
     ReplicaLoad,
     normalize_url,
 )
+from sits.obs.timeline import TimelineBuffer, latency_summary
 from sits.server.engine_client import EngineClient
 from sits.server.lifecycle import ServerLifecycle
-from sits.server.timeline import TimelineBuffer, latency_summary
 
 logger = logging.getLogger(__name__)
 

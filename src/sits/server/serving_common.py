@@ -49,9 +49,10 @@ from sits.server.jobs import EnginePrompt, GenerationJob, was_dropped_unstarted
 from sits.server.lifecycle import Ticket
 from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
-from sits.server.qos import Outcome, QosTicket, outcome_of
-from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.server.qos.admit import Outcome, QosTicket, outcome_of
+from sits.server.qos.headers import TENANT_STATE_KEY
 from sits.server.received import received_at
+from sits.server.request_tracing import request_trace, trace_admission
 from sits.server.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -59,7 +60,6 @@ from sits.server.sse import (
     run_until_disconnect,
     sse_event,
 )
-from sits.server.tracing import request_trace, trace_admission
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def request_job(
     tenant: TenantConfig,
 ) -> GenerationJob:
     """`ctx.new_job` for an OpenAI request `req` (chat or completion): its `priority` and
-    `cache_salt`, and the HTTP receipt time of `raw` (`server.received`)."""
+    `cache_salt`, and the HTTP receipt time of `raw` (`sits.server.received`)."""
     return ctx.new_job(
         prefix,
         prompts,

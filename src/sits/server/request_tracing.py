@@ -39,6 +39,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sits.core.outputs import RequestOutput
+from sits.obs.output_observer import OutputObserver
 from sits.obs.trace_spans import (
     GEN_AI_OPERATION_NAME,
     GEN_AI_REQUEST_CHOICE_COUNT,
@@ -57,9 +58,9 @@ from sits.obs.trace_spans import (
     monotonic_offset_ns,
 )
 from sits.obs.tracing import ERROR_TYPE, SLO_VIOLATED, Tracing, TracingSettings
-from sits.server.jobs import EnginePrompt, GenerationJob, OutputObserver
-from sits.server.qos import Outcome, outcome_of
-from sits.server.qos_headers import TENANT_STATE_KEY
+from sits.server.jobs import EnginePrompt, GenerationJob
+from sits.server.qos.admit import Outcome, outcome_of
+from sits.server.qos.headers import TENANT_STATE_KEY
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class TimelineRecorder(OutputObserver):
 
     def tpot_s(self) -> list[float]:
         """Mean time per output token after the first, per sample with more than one token
-        (as `sits.server.metrics` measures it)."""
+        (as `sits.obs.server_metrics` measures it)."""
         m = self.metrics
         if m is None or m.first_token_time is None or m.last_token_time is None:
             return []

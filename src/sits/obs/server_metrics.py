@@ -20,7 +20,7 @@ and, of those, `sits:moe_expert_spare_restores_total` (into a spare slot); with 
 slots also `sits:moe_spare_slots{layer,state}`: state "free" = slots ready for the next
 restore, "used" = experts served from a spare slot (restored away from their load-time slot).
 The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
-(`sits.server.tenant_metrics`), when the recorder is given the tenant.
+(`sits.obs.tenant_metrics`), when the recorder is given the tenant.
 Also as vLLM: per request, prefill time (first token - first scheduled), decode time (last
 token - first token), inference time (last token - first scheduled) and its prompt and
 generation token counts as histograms. KV cache per tier: `sits:kv_tier_blocks_used{tier}` and
@@ -34,16 +34,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sits.core.outputs import RequestMetrics, RequestOutput
-from sits.server.engine_client import EngineClient
-from sits.server.jobs import EnginePrompt, OutputObserver
-from sits.server.tenant_metrics import TenantMetrics
-from sits.server.timeline import RequestTimeline, TimelineBuffer
+from sits.core.sampling_params import SamplingParams
+from sits.obs.output_observer import OutputObserver
+from sits.obs.tenant_metrics import TenantMetrics
+from sits.obs.timeline import RequestTimeline, TimelineBuffer
 from sits.tenancy import TenantConfig
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,10 +64,24 @@ _E2E_BUCKETS_S = (
 _TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 
 
+class EngineStatsSource(Protocol):
+    """What the metrics read of the engine (`sits.server.engine_client.EngineClient` is one)."""
+
+    def stats(self) -> Any:
+        """The engine's latest stats (`AsyncLLM.EngineStats`); may raise once it died."""
+
+
+class EnginePromptLike(Protocol):
+    """What a recorder reads of a prompt (`sits.server.jobs.EnginePrompt` is one)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+
+
 class _EngineStatsCollector(Collector):
     """Reads the engine's load at scrape time."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineStatsSource, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -269,7 +284,7 @@ class ServerMetrics:
         timelines: the timings of the latest ended engine requests.
     """
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineStatsSource, model_name: str) -> None:
         self.model_name = model_name
         self.tenants: TenantMetrics | None = None
         self.timelines = TimelineBuffer()
@@ -363,7 +378,7 @@ class ServerMetrics:
 
     def recorder(
         self,
-        prompt: EnginePrompt,
+        prompt: EnginePromptLike,
         tenant: TenantConfig | None = None,
         received_s: float | None = None,
     ) -> RequestRecorder:
@@ -380,7 +395,7 @@ class RequestRecorder(OutputObserver):
     """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples).
 
     With a tenant and `received_s` (the HTTP request's receipt, time.monotonic() seconds,
-    `server.received`), the first token's arrival here also gives the tenant's TTFT from
+    `sits.server.received`), the first token's arrival here also gives the tenant's TTFT from
     receipt.
     """
 

@@ -6,7 +6,8 @@ queue, KV use per tier, overload and breaker state, per-tenant SLO attainment an
 heatmap of MoE expert load per layer and a timeline (queue, prefill chunks, decode) of the
 latest requests.
 
-`/dashboard/data` is one JSON object built by `dashboard_data`:
+`/dashboard/data` is one JSON object built by `dashboard_data` (from the pure pieces of
+`sits.obs.dashboard_data`):
 - counters (requests by finish reason, tokens, preemptions, prefix cache) are read from the
   server's Prometheus registry, so the page shows exactly what `/metrics` exports;
 - latency percentiles (nearest rank) and the request timelines come from the ring of the
@@ -27,21 +28,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
-from prometheus_client import CollectorRegistry
 
+from sits.obs.cost_metrics import SECONDS_PER_HOUR, cost_per_million_tokens
+from sits.obs.dashboard_data import (
+    MetricSamples,
+    chunks_by_request,
+    finite_or_none,
+    timeline_json,
+)
+from sits.obs.timeline import latency_summary
 from sits.server.auth import keys_match, presented_key
-from sits.server.cost_metrics import SECONDS_PER_HOUR, cost_per_million_tokens
 from sits.server.errors import ServerError
 from sits.server.precision import engine_precision
-from sits.server.timeline import RequestTimeline, latency_summary
 
 if TYPE_CHECKING:
     from sits.server.context import ServerContext
@@ -56,101 +61,11 @@ REQUESTS_HIDDEN = (
     "Recent requests are hidden: they belong to tenants and no admin key is set (start the "
     "server with --admin-key to see them)."
 )
-_LabelKey = tuple[str, frozenset[tuple[str, str]]]
 
 
 def dashboard_html() -> str:
     """The page's HTML (package data `sits/server/static/dashboard.html`)."""
     return (resources.files("sits.server") / "static" / "dashboard.html").read_text("utf-8")
-
-
-class MetricSamples:
-    """Every sample of a registry at one instant, looked up by name and labels (`model_name`
-    ignored: one server serves one model)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._values: dict[_LabelKey, float] = {}
-        self._by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
-        for family in registry.collect():
-            for sample in family.samples:
-                labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
-                self._values[(sample.name, frozenset(labels.items()))] = sample.value
-                self._by_name.setdefault(sample.name, []).append((labels, sample.value))
-
-    def get(self, name: str, **labels: str) -> float:
-        """The sample's value, 0.0 when it is not exported."""
-        return self._values.get((name, frozenset(labels.items())), 0.0)
-
-    def by_label(self, name: str, label: str, **where: str) -> dict[str, float]:
-        """label value -> value of the samples of `name` whose other labels match `where`."""
-        out: dict[str, float] = {}
-        for labels, value in self._by_name.get(name, ()):
-            if label in labels and all(labels.get(k) == v for k, v in where.items()):
-                out[labels[label]] = out.get(labels[label], 0.0) + value
-        return out
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
-def _latency(timelines: Sequence[RequestTimeline]) -> dict[str, Any]:
-    """p50/p90/p99 of TTFT, TPOT, E2E and queue time (seconds) over `timelines`
-    (`sits.server.timeline.latency_summary`, which the fleet heartbeats share)."""
-    return latency_summary(timelines)
-
-
-def _offset(t: float | None, origin: float) -> float | None:
-    return None if t is None else t - origin
-
-
-def _timeline_json(
-    timeline: RequestTimeline, chunks: Sequence[Any], now_s: float
-) -> dict[str, Any]:
-    """One request's bars, in seconds after its arrival."""
-    origin = timeline.arrival_s
-    return {
-        "request_id": timeline.request_id,
-        "tenant": timeline.tenant_id,
-        "age_s": now_s - origin,
-        "queue_end_s": _offset(timeline.first_scheduled_s, origin),
-        "first_token_s": _offset(timeline.first_token_s, origin),
-        "last_token_s": _offset(timeline.last_token_s, origin),
-        "finished_s": timeline.finished_s - origin,
-        "prefill_chunks": [
-            {
-                "start_s": c.start_s - origin,
-                "end_s": c.end_s - origin,
-                "start_position": c.start_position,
-                "num_tokens": c.num_tokens,
-            }
-            for c in chunks
-        ],
-        "num_prompt_tokens": timeline.num_prompt_tokens,
-        "num_cached_tokens": timeline.num_cached_tokens,
-        "num_output_tokens": timeline.num_output_tokens,
-        "num_samples": timeline.num_samples,
-        "finish_reason": timeline.finish_reason,
-    }
-
-
-def _chunks_by_request(
-    timelines: Iterable[RequestTimeline], chunks: Iterable[Any]
-) -> dict[str, list[Any]]:
-    """Parent request id -> its prefill chunks (its samples run as `id` or `id-i`)."""
-    parent_of: dict[str, str] = {}
-    for t in timelines:
-        if t.num_samples == 1:
-            parent_of[t.request_id] = t.request_id
-        else:
-            for i in range(t.num_samples):
-                parent_of[f"{t.request_id}-{i}"] = t.request_id
-    out: dict[str, list[Any]] = {}
-    for chunk in chunks:
-        parent = parent_of.get(chunk.request_id)
-        if parent is not None:
-            out.setdefault(parent, []).append(chunk)
-    return out
 
 
 def _tenants_json(ctx: ServerContext, samples: MetricSamples) -> list[dict[str, Any]]:
@@ -203,14 +118,14 @@ def dashboard_data(
 
     Args:
         ctx: the server's context.
-        chunks: the engine's latest prefill chunks (`sits.engine.core.PrefillChunk`s).
+        chunks: the engine's latest prefill chunks (`sits.engine.step_stats.PrefillChunk`s).
         now_s: time.monotonic() now (ages are relative to it).
     """
     now_s = time.monotonic() if now_s is None else now_s
     samples = MetricSamples(ctx.metrics.registry)
     timelines = ctx.metrics.timelines.recent()
     shown = timelines[-MAX_TIMELINES_SHOWN:][::-1]  # newest first
-    chunk_map = _chunks_by_request(shown, chunks)
+    chunk_map = chunks_by_request(shown, chunks)
     try:
         stats = ctx.engine.stats()
     except Exception:  # noqa: BLE001 - a dead engine: show the rest
@@ -246,11 +161,11 @@ def dashboard_data(
         "overload": {
             "state": ctx.qos.overload_state.value,
             "predicted_ttft_s": signals.predicted_ttft_s if signals is not None else 0.0,
-            "prefill_tokens_per_s": _finite(rate),
+            "prefill_tokens_per_s": finite_or_none(rate),
             "breaker": breaker.state.value,
             "breaker_opened": breaker.num_opened,
         },
-        "latency": _latency(timelines),
+        "latency": latency_summary(timelines),
         "tenants": _tenants_json(ctx, samples),
         "gpu_price_per_hour": ctx.settings.gpu_price_per_hour,
         "experts": experts.to_json() if experts is not None else None,
@@ -261,7 +176,7 @@ def dashboard_data(
             "available": list(precision.available),
             "num_switches": precision.num_switches,
         },
-        "requests": [_timeline_json(t, chunk_map.get(t.request_id, ()), now_s) for t in shown],
+        "requests": [timeline_json(t, chunk_map.get(t.request_id, ()), now_s) for t in shown],
     }
 
 

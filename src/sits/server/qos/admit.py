@@ -45,9 +45,9 @@ from sits.admission import (
     retry_after_headers,
 )
 from sits.core.errors import EngineDeadError, SitsError
+from sits.obs.tenant_metrics import TenantMetrics
 from sits.server.engine_client import EngineClient
 from sits.server.errors import ServerError
-from sits.server.tenant_metrics import TenantMetrics
 from sits.tenancy import TenantConfig, TenantsConfig, Tier
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sits.admission import OVERLOAD_HEADER
-from sits.server.qos import ServerQos
+from sits.server.qos.admit import ServerQos
 
 TENANT_STATE_KEY = "sits_tenant"
 

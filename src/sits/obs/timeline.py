@@ -1,6 +1,6 @@
 """The timings of the server's most recent engine requests, kept in a bounded ring buffer.
 
-`RequestRecorder` (`sits.server.metrics`) adds one `RequestTimeline` when an engine request
+`RequestRecorder` (`sits.obs.server_metrics`) adds one `RequestTimeline` when an engine request
 ends (finished or aborted), from the timestamps the engine put on its outputs
 (`RequestMetrics`, time.monotonic() seconds). The dashboard draws them as timelines (queue,
 prefill chunks, decode); `latency_summary` gives their latency percentiles, shown by the

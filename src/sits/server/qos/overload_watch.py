@@ -27,7 +27,7 @@ from collections.abc import Callable
 from sits.admission import OverloadSignals, OverloadState
 from sits.core.errors import InvalidParameterError
 from sits.server.engine_client import EngineClient
-from sits.server.qos import ServerQos
+from sits.server.qos.admit import ServerQos
 from sits.tenancy import Tier
 
 logger = logging.getLogger(__name__)
