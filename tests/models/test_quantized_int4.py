@@ -247,13 +247,24 @@ def test_online_int4_equals_the_dequantized_int4_weights(
 # ---- refusals -----------------------------------------------------------------------------
 
 
-def test_online_int4_refuses_a_group_size_that_does_not_divide_k(tiny_checkpoint) -> None:
+def test_online_int4_halves_its_group_to_fit_a_small_model(tiny_checkpoint) -> None:
+    # hidden 64 and MLP 128: group 128 does not divide 64, group 64 divides both
+    model = load_model(str(tiny_checkpoint("llama")), torch.float32, "cpu", quantization="int4")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant.group_size == 64 and qkv.weight_scale.shape == (128, 1)
+    assert qkv.quant.describe() == "int4 group 64 symmetric (online)"
+    down = model.model.layers[0].mlp.down_proj  # K = 128: still one group of 64 per half
+    assert down.weight_scale.shape == (64, 2)
+
+
+def test_online_int4_refuses_widths_no_group_divides(tiny_checkpoint) -> None:
+    # intermediate 136 = 8 x 17: no group of 128 .. 16 divides it
+    src = tiny_checkpoint("llama", intermediate_size=136)
     with pytest.raises(UnsupportedModelError) as info:
-        load_model(str(tiny_checkpoint("llama")), torch.float32, "cpu", quantization="int4")
-    message = str(info.value)
-    assert (
-        "self_attn" in message and "group size 128 does not divide its 64 input columns" in message
-    )
+        load_model(str(src), torch.float32, "cpu", quantization="int4")
+    message = str(info.value)  # the first module the scheme cannot hold, named
+    assert "self_attn" in message and "does not divide its 64 input columns" in message
+    assert "int4 group 128 symmetric (online)" in message
 
 
 def _broken(int4_pair, tmp_path: Path, fmt: str, edit: Callable[[dict], None]) -> Path:

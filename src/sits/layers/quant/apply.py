@@ -14,6 +14,8 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -49,12 +51,38 @@ def _all_or_none(quant: QuantConfig, names: list[str]) -> bool:
     return all(ignored)
 
 
+MIN_ONLINE_INT4_GROUP = 16  # online INT4 halves its group down to this to fit a model
+
+
+def fit_online_int4_group(model: nn.Module, quant: QuantConfig) -> QuantConfig:
+    """The online INT4 scheme with the largest group, halving from `quant.group_size` (128)
+    down to MIN_ONLINE_INT4_GROUP, that divides the input width of every module it quantizes
+    (small models: a 64-wide hidden state takes group 64); `quant` itself when none fits (the
+    swap then names the module) or for any other scheme."""
+    if not (quant.online and quant.is_int4 and quant.group_size):
+        return quant
+    widths: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            widths |= {module.qkv_proj.in_features, module.o_proj.in_features}
+        elif isinstance(module, GatedMLP):
+            widths |= {module.gate_up_proj.in_features, module.down_proj.in_features}
+        elif isinstance(module, SparseMoeBlock):
+            widths |= {module.gate.in_features, module.config.intermediate_size}
+    group = quant.group_size
+    while group >= MIN_ONLINE_INT4_GROUP:
+        if all(width % group == 0 for width in widths):
+            return dataclasses.replace(quant, group_size=group)
+        group //= 2
+    return quant
+
+
 def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
     """Swap the quantizable modules of `model` (on the meta device) for FP8 or INT4 ones.
 
     Args:
         model: a `DecoderForCausalLM` built on the meta device.
-        quant: the scheme.
+        quant: the scheme (online INT4 takes the group `fit_online_int4_group` fits).
 
     Returns:
         The number of modules swapped.
@@ -64,6 +92,7 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
             cannot hold (block scales cutting a fused part, an INT4 group size not dividing
             the input columns), naming the module.
     """
+    quant = fit_online_int4_group(model, quant)
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
         try:

@@ -17,7 +17,8 @@ Implemented (INT4 weight-only, w4a16, `group_size` set; layouts in `quant.int4_f
 - `quant_method: "gptq"`: bits 4, a positive group size, `desc_act` true or false (dense
   layers only for true), checkpoint_format "gptq" (zeros stored minus one).
 - `quant_method: "awq"`: bits 4, GEMM version, zero points.
-- Online (`--quantization int4`): symmetric, group ONLINE_INT4_GROUP_SIZE (128).
+- Online (`--quantization int4`): symmetric, group ONLINE_INT4_GROUP_SIZE (128), halved for
+  a model whose widths it does not divide (`apply.fit_online_int4_group`).
 
 Invariants: everything else (other bit widths, asymmetric compressed-tensors, AWQ GEMV, the
 marlin / exllama variants) raises `UnsupportedModelError` naming what was found and what is
@@ -87,7 +88,8 @@ class QuantConfig:
         if self.is_int4:
             extra = " zero points" if self.zero_points else " symmetric"
             extra += " desc_act" if self.desc_act else ""
-            return f"{self.method} int4 group {self.group_size}{extra}{online}"
+            method = "" if self.method == "int4" else f"{self.method} "
+            return f"{method}int4 group {self.group_size}{extra}{online}"
         return f"{self.method} {self.strategy}{block} {self.scale_name}{online}"
 
     def is_ignored(self, module_name: str) -> bool:
