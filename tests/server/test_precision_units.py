@@ -155,3 +155,14 @@ def test_overload_policy_flag_needs_the_switch(capsys) -> None:
     for flag in ("--precision-red-seconds", "--precision-green-seconds"):
         with pytest.raises(SystemExit):
             serve_main(["serve", flag, "-1"])
+
+
+def test_the_policy_timings_need_the_overload_policy(capsys) -> None:
+    assert serve_main(["serve", "--precision-red-seconds", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision-red-seconds only apply with --precision-policy overload" in err
+    assert (
+        serve_main(["serve", "--precision-green-seconds", "3", "--precision-red-seconds", "1"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--precision-red-seconds and --precision-green-seconds only apply" in err

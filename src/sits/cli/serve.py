@@ -67,7 +67,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-key",
         default=None,
-        help=f"enable /v1/admin (MoE expert stats, freeze/unfreeze) with this bearer key (also "
+        help=f"enable /v1/admin (MoE expert stats, freeze/unfreeze; the weights' precision "
+        f"with --precision-switch) with this bearer key (also "
         f"${ADMIN_KEY_ENV}); the key also protects the dashboard's data, /dashboard/data (401 "
         "without it, 403 with a wrong one). Without it the admin routes answer 404 and "
         "/dashboard/data is open, like /metrics",
@@ -215,14 +216,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--precision-red-seconds",
         type=_gpu_price,
-        default=5.0,
+        default=None,
         metavar="S",
         help="seconds of red before the overload policy switches to low precision (default 5)",
     )
     p.add_argument(
         "--precision-green-seconds",
         type=_gpu_price,
-        default=30.0,
+        default=None,
         metavar="S",
         help="seconds of green before the overload policy switches back to full precision "
         "(default 30)",
@@ -342,7 +343,8 @@ def precision_policy_arg(args: argparse.Namespace) -> Any:
     """The `PrecisionPolicySettings` of the --precision-* flags.
 
     Raises:
-        InvalidParameterError: `--precision-policy overload` without `--precision-switch`.
+        InvalidParameterError: `--precision-policy overload` without `--precision-switch`, or
+            a `--precision-*-seconds` flag without `--precision-policy overload`.
     """
     from sits.admission.precision_policy import PrecisionPolicyKind, PrecisionPolicySettings
 
@@ -353,9 +355,22 @@ def precision_policy_arg(args: argparse.Namespace) -> Any:
             "--precision-policy overload switches between two weight sets: it needs "
             "--precision-switch fp8 or --precision-switch int4",
         )
-    return PrecisionPolicySettings(
-        policy=policy, red_s=args.precision_red_seconds, green_s=args.precision_green_seconds
-    )
+    timed = [
+        flag
+        for flag, value in (
+            ("--precision-red-seconds", args.precision_red_seconds),
+            ("--precision-green-seconds", args.precision_green_seconds),
+        )
+        if value is not None
+    ]
+    if timed and policy is not PrecisionPolicyKind.OVERLOAD:
+        raise InvalidParameterError(
+            "precision_policy",
+            f"{' and '.join(timed)} only apply with --precision-policy overload",
+        )
+    red_s = 5.0 if args.precision_red_seconds is None else args.precision_red_seconds
+    green_s = 30.0 if args.precision_green_seconds is None else args.precision_green_seconds
+    return PrecisionPolicySettings(policy=policy, red_s=red_s, green_s=green_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:
