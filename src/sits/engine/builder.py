@@ -16,7 +16,7 @@ from sits.config import EngineConfig
 from sits.engine.core import EngineCore
 from sits.engine.tokenizer import Tokenizer
 from sits.models.dummy import prepare_dummy_dir
-from sits.models.loader import resolve_model_path
+from sits.models.loader import model_quant_config, resolve_model_path
 from sits.runner.model_info import ModelInfo, read_model_info
 from sits.sched.config import TenantPolicy, TenantTier
 from sits.tenancy.config import TenantsConfig
@@ -85,12 +85,18 @@ def build_engine(
         info = dataclasses.replace(info, model_dir=prepare_dummy_dir(model_dir, config.seed))
     core = EngineCore(config, info, tenant_policies)
     runner = core.runner
+    quant = model_quant_config(runner.model)
+    weights = str(info.dtype).removeprefix("torch.")
+    if quant is not None:
+        weights += f", weights {quant.describe()}"
+    if config.precision_switch is not None:
+        weights += f", precision switch {'/'.join(runner.models)}"
     logger.info(
         "loaded %s%s on %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
         model_dir,
         f" with dummy weights (seed {config.seed})" if config.load_format == "dummy" else "",
         info.device,
-        str(info.dtype).removeprefix("torch."),
+        weights,
         runner.num_blocks,
         config.block_size,
         runner.kv_cache_bytes / 2**20,
