@@ -237,7 +237,14 @@ def add_perplexity_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None, help="context (default: the model's)")
-    p.add_argument("--output-json", default=None, metavar="FILE", help="write the figures")
+    p.add_argument(
+        "--output-json",
+        "--result-json",
+        dest="output_json",
+        default=None,
+        metavar="FILE",
+        help="write the figures as JSON",
+    )
 
 
 def checkpoint_dtype(model_dir: str) -> str:
