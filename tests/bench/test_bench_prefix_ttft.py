@@ -1,4 +1,4 @@
-"""bench/prefix_ttft.py on a tiny random-weights shape (block_size 16): both engines complete
+"""sits.bench.prefix_ttft on a tiny random-weights shape (block_size 16): both engines complete
 each arrival pattern, and the caching-on engine's prefix-cache hits and the engine step counts
 are exactly what the scheduler's rules give.
 
@@ -10,25 +10,22 @@ goes on without a second lookup) and every later one hits the prefix's full bloc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_ttft.py"
+from sits.bench import prefix_ttft
+
 BLOCK_SIZE = 16  # EngineConfig's default
 
 
 def _main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> dict:
     monkeypatch.setenv("SITS_CACHE_DIR", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location("prefix_ttft", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = tmp_path / "r.json"
     common = ["--random-weights", "tiny-qwen3-moe", "--dtype", "float32", "--result-json"]
-    assert module.main([*common, str(out), *args]) == 0
+    assert prefix_ttft.main([*common, str(out), *args]) == 0
     return json.loads(out.read_text())
 
 

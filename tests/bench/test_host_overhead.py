@@ -1,30 +1,15 @@
-"""bench/host_overhead.py: its table's columns add up, it counts the pure decode steps, and the
+"""sits.bench.host_overhead: its table's columns add up, it counts the pure decode steps, and the
 engine is left as it was (timers and the null forward removed)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from sits.bench import host_overhead as ho
 from sits.engine.output_processor import OutputProcessor
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "host_overhead.py"
 
-
-@pytest.fixture(scope="module")
-def ho():
-    spec = importlib.util.spec_from_file_location("host_overhead", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["host_overhead"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("host_overhead", None)
-
-
-def test_columns_add_up_and_engine_is_restored(ho) -> None:
+def test_columns_add_up_and_engine_is_restored() -> None:
     llm = ho.build_llm(max_num_seqs=4, seed=0)
     core = llm.engine_core
     objects = [core, core.scheduler, core.runner, core.runner.buffers, core.runner.model]

@@ -1,20 +1,10 @@
-"""bench/loop_lag.py: reading the server's event-loop lag histogram from /metrics."""
+"""sits.bench.loop_lag: reading the server's event-loop lag histogram from /metrics."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "loop_lag.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("loop_lag_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from sits.bench import loop_lag as bench
 
 
 def _metrics(total_s: float, count: int, le_01: int) -> str:
@@ -32,7 +22,6 @@ def _metrics(total_s: float, count: int, le_01: int) -> str:
 
 
 def test_lag_between_two_scrapes() -> None:
-    bench = _module()
     before = bench.lag_counts(_metrics(0.5, 100, 99))
     assert before == {"sum": 0.5, "count": 100.0, "le_0.1": 99.0}
     after = bench.lag_counts(_metrics(2.5, 140, 129))  # 40 samples, 10 over 100 ms, 2 s

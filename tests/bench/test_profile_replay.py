@@ -1,17 +1,15 @@
-"""bench/profile_step.py --replay: steps recorded by an engine (`SITS_STEP_SHAPES_FILE`) are
+"""sits.bench.profile_step --replay: steps recorded by an engine (`SITS_STEP_SHAPES_FILE`) are
 rebuilt and run again; on the CPU the per-op table stands in for the GPU's kernel table."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
 from sits import LLM, SamplingParams
+from sits.bench import profile_step
 from sits.bench.shapes import write_shape_dir
 from sits.engine.step_shapes import STEP_SHAPES_ENV, read_step_shapes
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "profile_step.py"
 
 
 def test_recorded_steps_with_prompt_chunks_are_replayed(tmp_path: Path, monkeypatch, capsys):
@@ -27,12 +25,9 @@ def test_recorded_steps_with_prompt_chunks_are_replayed(tmp_path: Path, monkeypa
     mixed = [s for s in read_step_shapes(str(shapes)) if any(n > 1 for _, n in s["reqs"])]
     assert len(mixed) == 4  # 6 prompts x 40 tokens through a 64-token budget
 
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     argv = ["--random-weights", "tiny-qwen3-moe", "--max-model-len", "256", "--dtype",
             "float32", "--replay", str(shapes), "--replay-steps", "10", "--top", "3"]  # fmt: skip
-    assert module.main(argv) == 0
+    assert profile_step.main(argv) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(f"| {shapes} |"))
     cells = [c.strip() for c in row.split("|")[2:-1]]

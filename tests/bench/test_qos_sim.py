@@ -1,24 +1,17 @@
-"""bench/qos_sim.py: the modelled device pads steps as the H200's runner does and sleeps
+"""sits.bench.qos_sim: the modelled device pads steps as the H200's runner does and sleeps
 base + per-row time; a short run of both modes prints the table and the ratio."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from sits.bench import qos_sim as module
 from sits.core.plan import ScheduledRequest, StepPlan
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("qos_sim", ROOT / "bench" / "qos_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _plan(*num_tokens: int) -> StepPlan:
@@ -27,7 +20,6 @@ def _plan(*num_tokens: int) -> StepPlan:
 
 
 def test_steps_are_padded_like_the_runner_and_cost_base_plus_rows(monkeypatch) -> None:
-    module = _module()
     slept = []
     monkeypatch.setattr(module.time, "sleep", slept.append)
     runner = module._ModelledRunner(None, 0.02, 1e-5, [64, 128, 256, 512, 640], [1, 2, 4, 8])
@@ -39,7 +31,6 @@ def test_steps_are_padded_like_the_runner_and_cost_base_plus_rows(monkeypatch) -
 
 
 def test_a_short_run_of_both_modes_prints_the_ratio(capsys) -> None:
-    module = _module()
     args = ["--model", str(ROOT / "src/sits/demo_model"), "--tenants",
             str(ROOT / "bench/qos/tenants.toml"), "--duration-s", "1.5", "--gold-rate", "4",
             "--burst-rate", "8", "--input-len", "16", "--output-len", "4",
@@ -54,7 +45,6 @@ def test_a_short_run_of_both_modes_prints_the_ratio(capsys) -> None:
 
 
 def test_a_measured_cost_curve_is_interpolated_piecewise(monkeypatch) -> None:
-    module = _module()
     curve = module.parse_curve("1280:40.0,256:20.0,2048:48.0")  # any order
     assert curve == [(256, 0.02), (1280, 0.04), (2048, 0.048)]
     assert [round(module.curve_s(curve, r), 6) for r in (256, 768, 1664, 128, 2304)] == [
@@ -71,7 +61,6 @@ def test_a_measured_cost_curve_is_interpolated_piecewise(monkeypatch) -> None:
 
 
 def test_the_virtual_clock_gives_the_same_figures_twice(capsys) -> None:
-    module = _module()
     args = ["--model", str(ROOT / "src/sits/demo_model"), "--tenants",
             str(ROOT / "bench/qos/tenants.toml"), "--duration-s", "3", "--host-ms", "5",
             "--gold-rate", "4", "--burst-rate", "8", "--input-len", "16", "--output-len", "4",
@@ -84,7 +73,6 @@ def test_the_virtual_clock_gives_the_same_figures_twice(capsys) -> None:
 
 
 def test_a_cost_curve_from_recorded_steps_takes_medians_by_padded_rows(tmp_path) -> None:
-    module = _module()
     steps = tmp_path / "steps.jsonl"
     lines = [
         *[{"runner_ms": ms, "reqs": [[512, 1]] * 3} for ms in (4.0, 5.0, 9.0)],  # batch 4

@@ -19,9 +19,15 @@
   (`sits bench latency`), with `offline_common` (flags, engine config, prompts, tables),
   `shapes` (named real model shapes for `--random-weights`), `steps` (what each engine step
   computed), `roofline` (bytes, FLOPs and ideal time of a step against the H200's ceilings)
-  and `peer` (transformers' `generate_batch` on the same weights).
+  and `peer` (transformers' `generate_batch` on the same weights);
+- what the scripts of bench/ run (`python bench/NAME.py` is `python -m sits.bench.NAME`):
+  `profile_step` (the kernels of decode, prefill, mixed and replayed steps), `step_costs`
+  (step wall and runner time by shape), `device_busy` (device idle time between steps),
+  `host_overhead` (host cost of a step by part), `prefix_ttft` and `kv_tiers` (issue 7's
+  prefix cache and host tier), `qos_sim` (QoS vs FCFS with a modelled device) and `loop_lag`
+  (the server's event-loop lag, engine in a thread or a process).
 
-Nothing here imports the engine, the server or torch at import time (torch is only looked at,
-lazily, to name the GPU in a report; the offline benchmarks import the engine when they run),
-so the client runs against a remote server from any machine with httpx.
+The serving client's modules import neither the engine, the server nor torch (torch is only
+looked at, lazily, to name the GPU in a report), so the client runs against a remote server from
+any machine with httpx; the engine benchmarks import the engine (and some torch) themselves.
 """
