@@ -1,4 +1,4 @@
-"""bench/kv_tiers.py runs on the CPU with a tiny checkpoint and its figures add up.
+"""sits.bench.kv_tiers runs on the CPU with a tiny checkpoint and its figures add up.
 
 A 2x burst (8 requests of 12 + 8 tokens on a 5-block cache) preempts: recompute-only
 recomputes, the host tier swaps instead; outputs are equal and the recomputed prefill tokens
@@ -7,27 +7,12 @@ drop to zero (the issue's target, >= 80 %).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kv_tiers.py"
+from sits.bench import kv_tiers
 
 
-@pytest.fixture(scope="module")
-def kv_tiers():
-    spec = importlib.util.spec_from_file_location("kv_tiers_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-
-
-def test_burst_recompute_versus_host_tier(kv_tiers, tiny_model_factory, tmp_path, capsys) -> None:
+def test_burst_recompute_versus_host_tier(tiny_model_factory, tmp_path, capsys) -> None:
     model_dir = tiny_model_factory("qwen2")
     cfg = json.loads((model_dir / "config.json").read_text())
     block_bytes = 2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"] * cfg["head_dim"]

@@ -1,7 +1,7 @@
-"""Async scheduling against the synchronous engine, token for token, in the scenarios of a review
-(helper 58): requests added between steps, chunked prefill, min_tokens, n > 1, prompt-only and
-logprob mixtures, and two bugs it found (an empty plan made while a step was ahead dropped its
-swap copies and finished ids); then the scheduler's and runner's state after all finished."""
+"""Async scheduling matches the synchronous engine token for token: requests added between
+steps, chunked prefill, min_tokens, n > 1, prompt-only and logprob mixtures, and an empty plan
+made while a step is ahead (it once dropped its swap copies and finished ids); then the
+scheduler's and runner's state after all finished."""
 
 from __future__ import annotations
 
