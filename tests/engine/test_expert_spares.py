@@ -88,7 +88,7 @@ def test_nan_expert_frozen_within_three_steps_then_restored_into_a_spare(moe_dir
     bad = max(range(NUM_EXPERTS), key=lambda e: before.layers[LAYER].num_tokens[e])
     block = llm.engine_core.runner.model.model.layers[LAYER].mlp
     log = StepLog(block, bad, inject_at=1)  # NaN right after the prefill forward
-    steps_before = llm.engine_core.num_steps
+    steps_before = llm.engine_core.stats.num_steps
     read_after = [i for i in range(12) if (steps_before + i + 1) % 8 == 0]  # `LLM` reads
 
     during = llm.generate(prompts, GREEDY)  # one forward per step: 1 prefill + 11 decodes

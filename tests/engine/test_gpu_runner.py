@@ -106,9 +106,9 @@ def test_mixed_step_graphs_equal_eager(tiny_model_factory, arch: str, budget: in
         if mixed and llm.engine_core.runner.graphs is not None:
             assert graphs is not None and graphs.token_buckets[-1] == budget
             assert graphs.num_replays > 0
-            assert llm.engine_core.pacer.token_buckets == tuple(graphs.token_buckets)
+            assert llm.engine_core.policy.pacer.token_buckets == tuple(graphs.token_buckets)
         elif not mixed:
-            assert llm.engine_core.pacer.token_buckets == ()
+            assert llm.engine_core.policy.pacer.token_buckets == ()
     assert results[True] == results[False]
 
 

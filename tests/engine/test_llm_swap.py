@@ -79,8 +79,8 @@ def test_greedy_swap_equals_no_preemption_and_recomputes_less(model_dir) -> None
     assert swap_stats.num_swapped_bytes == 2 * swap_stats.num_swap_out_blocks * block_bytes
     assert swap_stats.num_recomputed_tokens == 0 < rec_stats.num_recomputed_tokens
     # Fewer prefill tokens computed in all (prompts once, nothing again).
-    assert swap.engine_core.num_prefill_tokens == sum(PROMPT_LENGTHS)
-    assert recompute.engine_core.num_prefill_tokens > sum(PROMPT_LENGTHS)
+    assert swap.engine_core.stats.num_prefill_tokens == sum(PROMPT_LENGTHS)
+    assert recompute.engine_core.stats.num_prefill_tokens > sum(PROMPT_LENGTHS)
     assert swap_sched.num_free_blocks == swap_sched.num_total_blocks
     assert swap_sched.host.num_free_blocks == NUM_HOST_BLOCKS
 

@@ -17,16 +17,12 @@ from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.requests import make_engine_requests
+from sits.engine.step_stats import StepStats
 
 
 class _Core:
     def __init__(self) -> None:
-        self.phase_s = {"schedule": 0.0, "runner": 0.0, "update": 0.0}
-        self.num_steps = 0
-        self.num_decode_rows = 0
-        self.num_prefill_tokens = 0
-        self.num_prefill_chunks = 0
-        self.num_wasted_prefill_tokens = 0
+        self.stats = StepStats()
         self.scheduler = type("Scheduler", (), {"num_preemptions": 0})()
 
 
@@ -45,10 +41,10 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     clock, core, profile = _profile(100.0, period_s=2.0)
     assert profile.maybe_log() is None  # no time has passed
     # 4 steps in 2 s: 0.5 s of runner, 0.125 s of schedule and update each, per 4 steps.
-    core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 4, 400, 1024
-    core.num_prefill_chunks = 6
-    core.phase_s.update(schedule=0.125, runner=0.5, update=0.125)
-    core.num_wasted_prefill_tokens = 512
+    core.stats.num_steps, core.stats.num_decode_rows, core.stats.num_prefill_tokens = 4, 400, 1024
+    core.stats.num_prefill_chunks = 6
+    core.stats.phase_s.update(schedule=0.125, runner=0.5, update=0.125)
+    core.stats.num_wasted_prefill_tokens = 512
     core.scheduler.num_preemptions = 3
     for phase, seconds in (("step", 0.75), ("commands", 0.25), ("stats", 0.125), ("send", 0.25)):
         profile.add(phase, seconds)
@@ -67,7 +63,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     # The next window starts from zero; one without steps logs nothing.
     clock[0] = 104.0
     assert profile.maybe_log() is None
-    core.num_steps = 5
+    core.stats.num_steps = 5
     profile.add("step", 0.5)
     clock[0] = 106.0
     core.scheduler.num_preemptions = 4
@@ -81,9 +77,9 @@ def test_a_runner_with_counters_splits_its_phase_and_counts_rows_run() -> None:
         "Runner", (), {"phase_s": {"launch": 0.0, "shadow": 0.0, "sync": 0.0}, "num_rows_run": 0}
     )()
     clock, core, profile = _profile(100.0, period_s=1.0, runner=runner)
-    core.num_steps, core.num_decode_rows, core.num_prefill_tokens = 2, 200, 900
-    core.num_prefill_chunks = 3
-    core.phase_s.update(runner=0.0625)
+    core.stats.num_steps, core.stats.num_decode_rows, core.stats.num_prefill_tokens = 2, 200, 900
+    core.stats.num_prefill_chunks = 3
+    core.stats.phase_s.update(runner=0.0625)
     core.runner.phase_s.update(launch=0.00390625, shadow=0.0078125, sync=0.05078125)
     core.runner.num_rows_run = 1280 + 1152  # two mixed steps, padded to their graphs
     profile.add("step", 0.0625)
@@ -99,7 +95,7 @@ def test_laps_time_consecutive_phases_from_a_mark() -> None:
     for phase, end_s in (("step", 10.25), ("stats", 10.375), ("send", 10.5)):
         clock[0] = end_s
         profile.lap(phase)
-    core.num_steps = 1
+    core.stats.num_steps = 1
     clock[0] = 11.0
     assert "(busy 0.5 s): 1 step of 500.0 ms: step 250.0 " in profile.maybe_log()
 
@@ -145,13 +141,14 @@ def test_core_counts_decode_rows_and_prompt_tokens_lost_to_an_abort(tiny_model_f
         _add(core, request_id, length, max_tokens=3)
     core.step()  # a: 40 prompt tokens (first token), b: 24 of 100
     core.step()  # a: one decode, b: 63 more (87 of 100: the budget is 64 tokens)
-    assert (core.num_steps, core.num_decode_rows, core.num_prefill_tokens) == (2, 1, 127)
-    assert core.num_prefill_chunks == 3  # a; b; b (a's decode is no chunk)
+    stats = core.stats
+    assert (stats.num_steps, stats.num_decode_rows, stats.num_prefill_tokens) == (2, 1, 127)
+    assert stats.num_prefill_chunks == 3  # a; b; b (a's decode is no chunk)
     assert core.runner.num_rows_run == 64 + 64  # eager on the CPU: no padding
     core.finish_requests(["b"], FinishReason.ABORT)  # shed before its first token
     core.finish_requests(["a"], FinishReason.ABORT)  # had tokens: nothing wasted
-    assert core.num_wasted_prefill_tokens == 87
-    assert all(seconds > 0 for seconds in core.phase_s.values())
+    assert core.stats.num_wasted_prefill_tokens == 87
+    assert all(seconds > 0 for seconds in core.stats.phase_s.values())
 
 
 def test_requests_past_their_start_deadline_are_dropped_only_if_never_started(
@@ -179,7 +176,7 @@ def test_requests_past_their_start_deadline_are_dropped_only_if_never_started(
     ]
     assert core.scheduler.get_request("late") is None
     assert core.scheduler.get_request("long").num_computed_tokens == 100  # ran on
-    assert core.num_wasted_prefill_tokens == 0  # nothing of "late" had been computed
+    assert core.stats.num_wasted_prefill_tokens == 0  # nothing of "late" had been computed
     finished = set()
     while core.has_unfinished_requests():
         finished.update(o.request_id for o in core.step() if o.finished)

@@ -185,8 +185,8 @@ def test_request_outputs_carry_the_precision_and_the_switches(tiny_model_factory
     step = core.step
 
     def switching_step(*args):
-        if core.num_steps in (2, 4):  # before steps 3 and 5
-            llm.set_precision("fp8" if core.num_steps == 2 else "fp32")
+        if core.stats.num_steps in (2, 4):  # before steps 3 and 5
+            llm.set_precision("fp8" if core.stats.num_steps == 2 else "fp32")
         return step(*args)
 
     core.step = switching_step

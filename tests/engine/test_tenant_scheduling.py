@@ -164,10 +164,10 @@ def test_waiting_load_and_prefill_accounting(tiny_model_factory) -> None:
     }
     core.step()  # every prompt fits the 512-token budget
     assert core.waiting_load() == {}
-    assert core.num_prefill_tokens == 92 and core.prefill_busy_s > 0
-    busy_s = core.prefill_busy_s
+    assert core.stats.num_prefill_tokens == 92 and core.stats.prefill_busy_s > 0
+    busy_s = core.stats.prefill_busy_s
     core.step()  # decodes only
-    assert core.num_prefill_tokens == 92 and core.prefill_busy_s == busy_s
+    assert core.stats.num_prefill_tokens == 92 and core.stats.prefill_busy_s == busy_s
     stats = core.tenant_stats()
     assert (stats["gold"].blocks_reserved, stats["bulk"].blocks_reserved) == (16, 4)
     assert (stats["gold"].seqs_reserved, stats["bulk"].seqs_reserved) == (4, 1)
@@ -242,4 +242,5 @@ def test_the_pacing_fraction_reaches_the_pacer(tiny_model_factory) -> None:
     gold = TenantPolicy(tenant_id="gold", tier=TenantTier.GUARANTEED, tpot_ms=50.0)
     config = _config(tiny_model_factory("llama")).with_changes(tpot_pacing_fraction=0.95)
     core = build_engine(config, (gold,)).core
-    assert (core.pacer.target_fraction, core.pacer.tpot_s_by_tenant) == (0.95, {"gold": 0.05})
+    pacer = core.policy.pacer
+    assert (pacer.target_fraction, pacer.tpot_s_by_tenant) == (0.95, {"gold": 0.05})

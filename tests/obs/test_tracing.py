@@ -331,7 +331,7 @@ def test_tracing_off_by_default(tiny_model_factory) -> None:
         assert resp.status_code == 200
         assert "traceparent" not in resp.headers
         assert ctx_of(live).tracer is None
-        assert live.engine.engine_core.record_request_chunks is False
+        assert live.engine.engine_core.stats.record_request_chunks is False
         assert live.engine._processor.time_detokenize is False
 
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from sits.config import EngineConfig
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
-from sits.engine.core import split_step_time
 from sits.engine.requests import make_engine_requests
+from sits.engine.step_stats import split_step_time
 from sits.obs.cost_metrics import CostCollector, cost_per_million_tokens
 from sits.obs.tenant_metrics import TenantMetrics
 from sits.tenancy import TenantsConfig
@@ -55,13 +55,13 @@ def test_engine_charges_each_tenant_its_scheduled_tokens(tiny_model_factory) -> 
     while core.has_unfinished_requests():
         core.step()
     # Every prompt token once, then one decode per token but the last: prompt + max_tokens - 1.
-    assert core.tenant_scheduled_tokens == {"a": (40 + 4) + (7 + 4), "b": 23 + 8}
-    assert core.busy_s > 0
-    assert set(core.tenant_busy_s) == {"a", "b"}
-    assert all(seconds > 0 for seconds in core.tenant_busy_s.values())
-    assert sum(core.tenant_busy_s.values()) == pytest.approx(core.busy_s, rel=1e-9)
+    assert core.stats.tenant_scheduled_tokens == {"a": (40 + 4) + (7 + 4), "b": 23 + 8}
+    assert core.stats.busy_s > 0
+    assert set(core.stats.tenant_busy_s) == {"a", "b"}
+    assert all(seconds > 0 for seconds in core.stats.tenant_busy_s.values())
+    assert sum(core.stats.tenant_busy_s.values()) == pytest.approx(core.stats.busy_s, rel=1e-9)
     for request_id, _, prompt_len, _ in REQUESTS:
-        chunks = [c for c in core.prefill_chunks if c.request_id == request_id]
+        chunks = [c for c in core.stats.prefill_chunks if c.request_id == request_id]
         positions = [c.start_position for c in chunks]
         assert positions[0] == 0
         for before, after in zip(chunks, chunks[1:]):
@@ -69,7 +69,7 @@ def test_engine_charges_each_tenant_its_scheduled_tokens(tiny_model_factory) -> 
             assert after.start_s >= before.end_s
         assert sum(c.num_tokens for c in chunks) == prompt_len
         assert all(0 < c.num_tokens <= BUDGET_TOKENS and c.end_s > c.start_s for c in chunks)
-    assert len([c for c in core.prefill_chunks if c.request_id == "a0"]) >= 3
+    assert len([c for c in core.stats.prefill_chunks if c.request_id == "a0"]) >= 3
 
 
 TENANTS = TenantsConfig((tenant("a"), tenant("b"), tenant("idle")))

@@ -11,7 +11,7 @@ Steps until every request has its first token are "prefill steps"; the rest "dec
 The first `--num-iters-warmup` iterations are not counted. Reported: TTFT, TPOT and iteration
 latency (mean, p50, p99, ms), the decode step time, decode output tok/s (batch / mean step),
 the rooflines of the prefill and decode steps (`sits.bench.roofline`), and where a decode step
-goes: the mean ms per decode step of the engine's phase counters (`EngineCore.phase_s`:
+goes: the mean ms per decode step of the engine's phase counters (`StepStats.phase_s`:
 schedule, runner, update; within runner `ModelRunner.phase_s`: launch = inputs and the
 forward's launch on the host, shadow = host work while the device runs, sync = waiting for
 the device, then sampling), and "other" = the step's time outside them.

@@ -10,7 +10,7 @@ step), or `--switch-every-s` seconds after the previous call (the first: after t
 first step); it stops early only when every request has finished.
 
 Each step the engine runs is recorded on the engine thread (`PrecisionStepRecorder`, which
-wraps `EngineCore.mark_run` and `account_step` of the benchmark's own engine): when it was run
+wraps `Stepper.mark_run` and `account_step` of the benchmark's own engine): when it was run
 or launched, when its update ended, its weight set and switch count (the engine's stamp) and
 its output tokens. From those records (pure functions, tested with hand-made records):
 - a switch's delay (`switch_delays`): from the call (time.monotonic() just before
@@ -259,10 +259,11 @@ class PrecisionStepRecorder:
         self._launched_s: dict[int, float] = {}  # id(PlannedStep) -> launch time
 
     def attach(self, core: Any) -> PrecisionStepRecorder:
-        """Wrap `core.mark_run` and `core.account_step` (an `EngineCore` with a precision
-        switch, owned by the benchmark) on that object; returns self."""
-        mark_run: Callable[..., Any] = core.mark_run
-        account_step: Callable[..., Any] = core.account_step
+        """Wrap `mark_run` and `account_step` of the step path (`core.stepper`, an `EngineCore`
+        with a precision switch, owned by the benchmark) on that object; returns self."""
+        stepper = core.stepper
+        mark_run: Callable[..., Any] = stepper.mark_run
+        account_step: Callable[..., Any] = stepper.account_step
 
         def recording_mark_run(planned: Any) -> None:
             if planned.plan.scheduled:
@@ -281,8 +282,8 @@ class PrecisionStepRecorder:
                 )  # fmt: skip
             return outputs
 
-        core.mark_run = recording_mark_run
-        core.account_step = recording_account_step
+        stepper.mark_run = recording_mark_run
+        stepper.account_step = recording_account_step
         return self
 
 

@@ -65,7 +65,7 @@ class StepRecorder:
 def phase_counters(core: Any) -> dict[str, float]:
     """The engine core's cumulative phase seconds (schedule, runner, update) and its runner's
     (launch, shadow, sync) when the runner keeps them."""
-    counters = dict(core.phase_s)
+    counters = dict(core.stats.phase_s)
     runner_phases = getattr(getattr(core, "runner", None), "phase_s", None)
     if runner_phases is not None:
         counters.update(runner_phases)

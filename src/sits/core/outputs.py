@@ -65,7 +65,7 @@ class EngineCoreOutput:
             once, on its first output).
         prefill_chunks: (step end time.monotonic(), tokens) of each prompt chunk or recompute
             computed since the request's previous output; only while the engine records them
-            (`EngineCore.record_request_chunks`, for tracing), else None.
+            (`StepStats.record_request_chunks`, for tracing), else None.
         precision: the weight set of the step (`PrecisionState.current` then); None without
             a precision switch.
         num_precision_switches: precision switches between the request's first step and

@@ -19,7 +19,7 @@ class PrecisionState:
         available: every set the engine holds, the model dtype's first (one name without a
             precision switch).
         num_switches: switches since start (a request for the current set is not one).
-        last_switch_step: the engine step (`EngineCore.num_steps` numbering, from 1) that
+        last_switch_step: the engine step (`StepStats.num_steps` numbering, from 1) that
             first ran in the set of the last switch; None before that step has run.
         last_switch_unix_s: time.time() when the last switch was applied; None before one.
         last_switch_delay_s: seconds from the last switch's call to the launch of the first

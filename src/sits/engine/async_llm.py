@@ -45,13 +45,14 @@ from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
 from sits.core.precision import PrecisionState
 from sits.engine.builder import build_engine
-from sits.engine.core import EngineCore, PrefillChunk, WaitingLoad
+from sits.engine.core import EngineCore, WaitingLoad
 from sits.engine.delivery import BatchedDelivery
 from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.loop_profile import LoopProfile
 from sits.engine.output_processor import OutputProcessor
+from sits.engine.step_stats import PrefillChunk
 from sits.kvcache.host_pool import SwapStats
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
@@ -94,7 +95,7 @@ class EngineStats:
             steps, see the module docstring); None for a dense model.
         busy_s: wall seconds of the steps that scheduled tokens, since start.
         tenant_busy_s: tenant id -> its share of `busy_s` (each step split by scheduled
-            tokens; `EngineCore.tenant_busy_s`). Read-only.
+            tokens; `StepStats.tenant_busy_s`). Read-only.
         precision: the weight sets and the last precision switch (`EngineCore.precision_state`);
             None only in the empty snapshot before the first.
         time_s: time.monotonic() when the snapshot was taken.
@@ -268,13 +269,13 @@ class AsyncLLM(RequestFrontEnd):
         return self.engine_core.precision_state()
 
     async def prefill_chunks(self) -> list[PrefillChunk]:
-        """The latest prompt chunks the engine computed, oldest first (`EngineCore.prefill_chunks`,
+        """The latest prompt chunks the engine computed, oldest first (`StepStats.prefill_chunks`,
         a bounded ring; copied on the engine thread between steps).
 
         Raises:
             EngineDeadError: the engine loop is dead or hung.
         """
-        return await self._call_on_engine(lambda: list(self.engine_core.prefill_chunks))
+        return await self._call_on_engine(lambda: list(self.engine_core.stats.prefill_chunks))
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Stamp each request's prompt chunks and detokenization time on its
@@ -282,7 +283,7 @@ class AsyncLLM(RequestFrontEnd):
 
         Chunks computed before the call are not reported.
         """
-        self.engine_core.record_request_chunks = enabled  # a flag the engine thread reads
+        self.engine_core.stats.record_request_chunks = enabled  # a flag the engine thread reads
         self._processor.time_detokenize = enabled
 
     async def shutdown(self) -> None:
@@ -416,13 +417,13 @@ def snapshot_stats(
         num_free_blocks=sched.num_free_blocks,
         num_total_blocks=sched.num_total_blocks,
         num_preemptions=sched.num_preemptions,
-        num_steps=core.num_steps,
+        num_steps=core.stats.num_steps,
         tenants=tenants,
         waiting=waiting,
         oldest_waiting_arrival_s=min(arrivals, default=None),
         num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
-        num_prefill_tokens=core.num_prefill_tokens,
-        prefill_busy_s=core.prefill_busy_s,
+        num_prefill_tokens=core.stats.num_prefill_tokens,
+        prefill_busy_s=core.stats.prefill_busy_s,
         borrowing_tiers=borrowing_tiers,
         num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
         num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
@@ -430,8 +431,8 @@ def snapshot_stats(
         num_host_blocks_used=sched.host.num_used_blocks,
         num_host_blocks_total=sched.config.num_host_blocks,
         experts=experts,
-        busy_s=core.busy_s,
-        tenant_busy_s=dict(core.tenant_busy_s),
+        busy_s=core.stats.busy_s,
+        tenant_busy_s=dict(core.stats.tenant_busy_s),
         precision=core.precision_state(),
         time_s=now_s,
     )

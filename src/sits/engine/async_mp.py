@@ -39,12 +39,12 @@ from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError
 from sits.core.precision import PrecisionState
 from sits.engine.async_llm import EngineStats
-from sits.engine.core import PrefillChunk
 from sits.engine.delivery import BatchedDelivery
 from sits.engine.engine_proc import PackedError, run_engine_proc, unpack_error
 from sits.engine.front_end import RequestFrontEnd, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S
 from sits.engine.output_processor import OutputProcessor
+from sits.engine.step_stats import PrefillChunk
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
 

@@ -3,7 +3,8 @@
 In a synchronous step the device idles while the host reads step N's tokens back, updates the
 scheduler, plans step N+1 and prepares its inputs: at 256 sequences several ms of every
 ~20-25 ms decode step on an H200. `StepPipeline` (on with `EngineConfig.async_scheduling`, as
-vLLM's `--async-scheduling`) keeps one step in flight instead. Each `EngineCore.step()` call:
+vLLM's `--async-scheduling`) keeps one step in flight instead. It plans, launches and accounts
+steps through the same `Stepper` functions as a synchronous step. Each `EngineCore.step()` call:
 1. the in-flight step N is applied ahead (`Scheduler.update_ahead`: computed tokens advance,
    sampled requests get a placeholder token, requests that surely end with N are set aside);
 2. step N+1 is planned and launched (`ModelRunner.launch`): its placeholder input ids are read
@@ -26,28 +27,25 @@ stream, so a step's KV writes, block reuse and input buffers never race the step
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import PLACEHOLDER_TOKEN_ID, StepResult
+from sits.engine.stepper import PlannedStep, Stepper
 from sits.runner.model_runner import LaunchedStep
-
-if TYPE_CHECKING:
-    from sits.engine.core import EngineCore, PlannedStep
 
 
 class StepPipeline:
     """One step in flight ahead of the host (see the module docstring).
 
     Args:
-        core: the engine core whose scheduler, runner and accounting it drives.
+        stepper: the step path (scheduler, runner, planning and accounting) it drives.
 
     Attributes:
         busy: a step is launched and not collected, or a planned step waits to run.
     """
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
+    def __init__(self, stepper: Stepper) -> None:
+        self.stepper = stepper
         self._in_flight: tuple[PlannedStep, LaunchedStep] | None = None
         self._waiting: PlannedStep | None = None  # planned, to run synchronously next
         self._device_free_s = 0.0  # when the last collected step's tokens were back
@@ -58,55 +56,56 @@ class StepPipeline:
 
     def step(self, while_gpu_runs: Callable[[], None] | None) -> list[EngineCoreOutput]:
         """Collect one step (launching the next first when it can); its outputs."""
-        core = self.core
+        stepper = self.stepper
+        runner = stepper.runner
         if self._waiting is not None:
             planned, self._waiting = self._waiting, None
             return self._run_now(planned, while_gpu_runs)
-        clock = core.clock
+        clock = stepper.clock
         runner_s = 0.0  # host time in launching and waiting (the "runner" phase)
         if self._in_flight is None:
-            planned = core.plan_step()
-            if planned.plan.is_empty or not core.runner.can_launch(planned.plan):
+            planned = stepper.plan()
+            if planned.plan.is_empty or not runner.can_launch(planned.plan):
                 return self._run_now(planned, while_gpu_runs)
             start_s = clock()
-            core.mark_run(planned)
-            self._in_flight = (planned, core.runner.launch(planned.plan, None))
+            stepper.mark_run(planned)
+            self._in_flight = (planned, runner.launch(planned.plan, None))
             runner_s += clock() - start_s
         planned, launched = self._in_flight
         self._in_flight = None
-        core.scheduler.update_ahead(planned.plan)
-        following = core.plan_step()
+        stepper.scheduler.update_ahead(planned.plan)
+        following = stepper.plan()
         expired, following.expired = following.expired, []  # reported with this step
         if following.plan.is_empty:
             # Nothing to compute, but maybe swap copies and finished ids for the runner (a
             # request set aside as ending with step N can leave another none of the blocks).
-            core.runner.run(following.plan)
-        elif core.runner.can_launch(following.plan):
+            runner.run(following.plan)
+        elif runner.can_launch(following.plan):
             start_s = clock()
-            core.mark_run(following)
-            self._in_flight = (following, core.runner.launch(following.plan, launched))
+            stepper.mark_run(following)
+            self._in_flight = (following, runner.launch(following.plan, launched))
             runner_s += clock() - start_s
         else:
             self._waiting = following
         if while_gpu_runs is not None:
             while_gpu_runs()
         start_s = clock()
-        result = core.runner.collect(launched)
+        result = runner.collect(launched)
         ran_s = clock()
         runner_s += ran_s - start_s
         if self._waiting is not None:
             _fill_placeholders(self._waiting, result)
-        outputs = core.scheduler.update(planned.plan, result)
+        outputs = stepper.scheduler.update(planned.plan, result)
         started_s = max(planned.scheduled_s, self._device_free_s)
         self._device_free_s = ran_s
-        outputs = core.account_step(planned, ran_s, outputs, started_s, runner_s)
+        outputs = stepper.account_step(planned, ran_s, outputs, started_s, runner_s)
         return expired + outputs if expired else outputs
 
     def _run_now(
         self, planned: PlannedStep, while_gpu_runs: Callable[[], None] | None
     ) -> list[EngineCoreOutput]:
-        """Run a planned step synchronously (`EngineCore.run_planned`)."""
-        outputs, self._device_free_s = self.core.run_planned(planned, while_gpu_runs)
+        """Run a planned step synchronously (`Stepper.run_now`)."""
+        outputs, self._device_free_s = self.stepper.run_now(planned, while_gpu_runs)
         return outputs
 
 

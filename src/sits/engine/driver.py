@@ -115,7 +115,7 @@ class EngineDriver:
             and sched.num_preemptions == num_preemptions
             and not in_flight
         )
-        due = core.num_steps - self._expert_read_step >= EXPERT_STATS_PERIOD_STEPS
+        due = core.stats.num_steps - self._expert_read_step >= EXPERT_STATS_PERIOD_STEPS
         if due or stalled or not core.has_unfinished_requests():
             self.read_experts()
         return outputs, stalled
@@ -124,7 +124,7 @@ class EngineDriver:
         """Copy the expert counters to the host (one device sync); None for a dense model."""
         if self.experts is None:
             return None
-        num_steps = self.core.num_steps
+        num_steps = self.core.stats.num_steps
         self._expert_read_step = num_steps
         self.expert_stats = self.experts.read(num_steps)  # restores frozen experts (auto)
         return self.expert_stats

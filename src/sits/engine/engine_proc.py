@@ -337,7 +337,7 @@ class _EngineProc:
         elif kind == "borrowing":
             self.driver.set_borrowing_tiers(command[1])
         elif kind == "timeline":
-            core.record_request_chunks = bool(command[1])
+            core.stats.record_request_chunks = bool(command[1])
         elif kind == "call":
             _, call_id, name, args = command
             try:
@@ -353,7 +353,7 @@ class _EngineProc:
     def call(self, name: str, args: tuple) -> Any:
         """The named call of `AsyncMPLLM` (expert surface, prefill chunks, precision)."""
         if name == "prefill_chunks":
-            return list(self.core.prefill_chunks)
+            return list(self.core.stats.prefill_chunks)
         if name == "set_precision":
             return self.core.set_precision(*args)  # (name, the parent's time.monotonic())
         if name == "expert_stats":

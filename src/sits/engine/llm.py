@@ -227,8 +227,9 @@ class LLM:
                 outputs = core.step(take_pending)
                 take_pending()  # a step with nothing scheduled does not call it
                 pending = (outputs, time.monotonic())
-                if self.experts is not None and core.num_steps % EXPERT_READ_PERIOD_STEPS == 0:
-                    self.experts.read(core.num_steps)  # between steps: may restore experts
+                num_steps = core.stats.num_steps
+                if self.experts is not None and num_steps % EXPERT_READ_PERIOD_STEPS == 0:
+                    self.experts.read(num_steps)  # between steps: may restore experts
             elif pending is not None:
                 take_pending()  # the last step's outputs
             else:
@@ -237,7 +238,7 @@ class LLM:
                 core.finish_requests([child_id], FinishReason.STOP, stop_str)
             stops.clear()
         if self.experts is not None:
-            self.experts.read(core.num_steps)
+            self.experts.read(core.stats.num_steps)
         return [finished[b[0]] for b in batches]
 
 

@@ -6,7 +6,7 @@ The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its 
 "send" (handing outputs to the server; the engine process writes a step's outputs during
 the next step's forward, inside its "runner" time, so there "send" counts only writes made
 outside a step).
-`maybe_log` reads the core's cumulative counters (`EngineCore.phase_s`: schedule, runner,
+`maybe_log` reads the core's cumulative counters (`StepStats.phase_s`: schedule, runner,
 update; steps, decode rows, prefill tokens and chunks, preemptions, wasted prefill tokens),
 and the runner's when it keeps them (`ModelRunner.phase_s`: launch, shadow, sync; rows run,
 padding included), and, once `period_s` has passed since the last line, logs the averages
@@ -84,14 +84,15 @@ class LoopProfile:
 
     def _core_counters(self) -> dict[str, float]:
         core = self.core
-        counters = {name: core.phase_s[name] for name in CORE_PHASES}  # type: ignore[attr-defined]
+        stats = core.stats  # type: ignore[attr-defined]
+        counters = {name: stats.phase_s[name] for name in CORE_PHASES}
         for name in ("num_steps", "num_decode_rows", "num_prefill_tokens", "num_prefill_chunks"):
-            counters[name] = getattr(core, name)
+            counters[name] = getattr(stats, name)
         runner = getattr(core, "runner", None)
         if hasattr(runner, "phase_s"):  # a fake runner (tests, simulations) may keep none
             counters.update(runner.phase_s)  # type: ignore[union-attr]
             counters["rows_run"] = runner.num_rows_run  # type: ignore[union-attr]
-        counters["wasted"] = core.num_wasted_prefill_tokens  # type: ignore[attr-defined]
+        counters["wasted"] = stats.num_wasted_prefill_tokens
         counters["preemptions"] = core.scheduler.num_preemptions  # type: ignore[attr-defined]
         return counters
 

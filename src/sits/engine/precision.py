@@ -107,7 +107,7 @@ class PrecisionControl:
         self, stamp: StepPrecision, step_number: int, outputs: Iterable[EngineCoreOutput]
     ) -> None:
         """Give a step's outputs its weight set and each request's switches since its first
-        step; `step_number`: the step's `EngineCore.num_steps`."""
+        step; `step_number`: the step's `StepStats.num_steps`."""
         if stamp.first_of_switch and stamp.num_switches == self.state.num_switches:
             self.state = dataclasses.replace(self.state, last_switch_step=step_number)
         first = self._first_switches

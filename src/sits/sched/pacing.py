@@ -18,11 +18,12 @@ Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI 2024), dr
 request's own token schedule instead of one fixed chunk.
 
 Pacing must not starve the prompts it shares the GPU with: a TTFT miss is a whole request
-missed, while one long step moves a TPOT mean only a little. So the engine lifts the limit to
-at least the prompt tokens of requests whose first token is at risk (no token yet and at most
-`TTFT_RESCUE_SLACK` of their TTFT SLO left), for tenants at least as important as the paced
-ones (`ttft_rescue_tenants`): without it, an eager mixed step dearer than every decode's slack
-left the paced tenant's own new prompts queued for seconds (H200, bench/RESULTS.md).
+missed, while one long step moves a TPOT mean only a little. So the step policy
+(`sits.sched.step_policy`) lifts the limit to at least the prompt tokens of requests whose
+first token is at risk (no token yet and at most `TTFT_RESCUE_SLACK` of their TTFT SLO left),
+for tenants at least as important as the paced ones (`ttft_rescue_tenants`): without it, an
+eager mixed step dearer than every decode's slack left the paced tenant's own new prompts
+queued for seconds (H200, bench/RESULTS.md).
 
 Step times come from `StepTimeModel`: an exponential moving average of decode-only steps and
 an online least-squares line (exponentially weighted means of x, y, x^2 and x*y) of mixed
