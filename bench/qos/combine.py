@@ -1,38 +1,14 @@
-"""Combine single-mode `sits bench qos --result-json` files into one QoS / FCFS comparison.
-
-`bench/gpu_check.sh` runs the issue-6 mix's two halves in two lanes (one GPU each, same mix,
-same seed): `qos` writes qos_qos.json, `qos_fcfs` writes qos_fcfs.json. This prints the same
-side-by-side table and throughput ratio as a two-mode `sits bench qos` run.
-
-Usage: python bench/qos/combine.py QOS_JSON FCFS_JSON [--result-json OUT]
-"""
+"""Single-mode `sits bench qos` results combined into one QoS / FCFS comparison:
+`python bench/qos/combine.py QOS_JSON FCFS_JSON [--result-json OUT]`
+(`sits.bench.qos_combine`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+from pathlib import Path
 
-from sits.bench.qos_compare import compare, format_comparison
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="single-mode result files, in the table's order")
-    p.add_argument("--result-json", default=None)
-    args = p.parse_args(argv)
-    docs = {}
-    for path in args.runs:
-        with open(path) as f:
-            doc = json.load(f)
-        docs.update(doc["runs"])
-    comparison = compare(docs)
-    print(format_comparison(comparison, list(docs)))
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump({**comparison, "runs": docs}, f, indent=1)
-    return 0
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for _checkout
+from _checkout import run_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("sits.bench.qos_combine"))

@@ -1,13 +1,14 @@
-"""bench/qos/listen_queue.py: accept-queue lengths read from /proc/net/tcp."""
+"""sits.bench.listen_queue: accept-queue lengths read from /proc/net/tcp."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+from sits.bench import listen_queue
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = """\
@@ -18,18 +19,9 @@ TABLE = """\
 """
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "listen_queue", ROOT / "bench/qos/listen_queue.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_listen_rows_give_port_queued_and_limit() -> None:
     # the established row (state 01) is skipped; 0xB67B = 46715, 0x07E8 = 2024
-    assert _module().listen_queues(TABLE) == [(46715, 5), (2024, 0)]
+    assert listen_queue.listen_queues(TABLE) == [(46715, 5), (2024, 0)]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
@@ -40,9 +32,9 @@ def test_connections_nobody_accepts_are_counted() -> None:
     port = listener.getsockname()[1]
     clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
     try:
-        assert _module().sample(port) == [(port, 3)]
+        assert listen_queue.sample(port) == [(port, 3)]
         listener.accept()[0].close()
-        assert _module().sample(port) == [(port, 2)]
+        assert listen_queue.sample(port) == [(port, 2)]
     finally:
         for client in clients:
             client.close()

@@ -1,37 +1,30 @@
-"""bench/qos/calibrate.py: rates from a measured capacity, and the written mix loads back."""
+"""sits.bench.qos_calibrate: rates from a measured capacity, and the written mix loads back."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from sits.bench import qos_calibrate, qos_combine
 from sits.bench.mix import load_tenants_mix
 from sits.bench.workload import TenantLoad
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _calibrate():
-    spec = importlib.util.spec_from_file_location("calibrate", ROOT / "bench/qos/calibrate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_rates_are_share_and_flood() -> None:
-    rates = _calibrate().calibrated_rates(10.0, 2, guaranteed_share=0.3, flood_factor=3.0)
+    rates = qos_calibrate.calibrated_rates(10.0, 2, guaranteed_share=0.3, flood_factor=3.0)
     assert rates == pytest.approx([3.0, 21.0])
-    assert _calibrate().calibrated_rates(8.0, 3, 0.25, 3.0) == pytest.approx([2.0, 9.0, 9.0])
+    assert qos_calibrate.calibrated_rates(8.0, 3, 0.25, 3.0) == pytest.approx([2.0, 9.0, 9.0])
 
 
 def test_written_mix_loads_with_the_rates(tmp_path) -> None:
     capacity = tmp_path / "cap.json"
     capacity.write_text(json.dumps({"runs": {"fcfs": {"totals": {"request_throughput": 4.0}}}}))
     out = tmp_path / "mix.toml"
-    assert _calibrate().main([str(capacity), str(ROOT / "bench/qos/mix.toml"), str(out)]) == 0
+    assert qos_calibrate.main([str(capacity), str(ROOT / "bench/qos/mix.toml"), str(out)]) == 0
     tenants = {t.name: t for t in load_tenants_mix(str(out), TenantLoad())}
     assert tenants["gold"].request_rate == pytest.approx(1.2)
     assert tenants["burst"].request_rate == pytest.approx(8.4)
@@ -50,7 +43,7 @@ def test_duration_override_replaces_every_tenants_count(tmp_path) -> None:
     )
     out = tmp_path / "mix.toml"
     args = [str(capacity), str(mix), str(out), "--duration-s", "45"]
-    assert _calibrate().main(args) == 0
+    assert qos_calibrate.main(args) == 0
     tenants = load_tenants_mix(str(out), TenantLoad())
     assert [(t.duration_s, t.num_prompts) for t in tenants] == [(45.0, None), (45.0, None)]
     assert [t.request_rate for t in tenants] == pytest.approx([3.0, 21.0])
@@ -70,11 +63,8 @@ def test_combine_puts_two_single_mode_runs_side_by_side(tmp_path) -> None:
         path = tmp_path / f"qos_{mode}.json"
         path.write_text(json.dumps(doc(mode, tok_s)))
         paths.append(str(path))
-    spec = importlib.util.spec_from_file_location("combine", ROOT / "bench/qos/combine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = tmp_path / "both.json"
-    assert module.main([*paths, "--result-json", str(out)]) == 0
+    assert qos_combine.main([*paths, "--result-json", str(out)]) == 0
     combined = json.loads(out.read_text())
     assert combined["output_throughput_ratio"] == pytest.approx(0.95)
     assert list(combined["runs"]) == ["qos", "fcfs"]
