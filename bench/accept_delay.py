@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from sits.bench.server_proc import free_port
 from sits.engine.delivery import DELIVERY_BATCH, BatchedDelivery
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +89,6 @@ async def send_requests(port: int, rate: float, count: int) -> list[float]:
             tasks.append(asyncio.create_task(one()))
         await asyncio.gather(*tasks)
     return sorted(latencies)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure(args: argparse.Namespace, loop: str, batch: int) -> list[float]:

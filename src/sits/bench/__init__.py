@@ -25,7 +25,9 @@
   (step wall and runner time by shape), `device_busy` (device idle time between steps),
   `host_overhead` (host cost of a step by part), `prefix_ttft` and `kv_tiers` (issue 7's
   prefix cache and host tier), `qos_sim` (QoS vs FCFS with a modelled device) and `loop_lag`
-  (the server's event-loop lag, engine in a thread or a process).
+  (the server's event-loop lag, engine in a thread or a process); for `bench/qos/`,
+  `qos_calibrate` (a mix's rates from a measured capacity), `qos_combine` (single-mode
+  results in one comparison) and `listen_queue` (the kernel's accept queues).
 
 The serving client's modules import neither the engine, the server nor torch (torch is only
 looked at, lazily, to name the GPU in a report), so the client runs against a remote server from
