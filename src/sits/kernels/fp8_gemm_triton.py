@@ -38,7 +38,6 @@ Triton's matmul tutorial.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from torch import Tensor
 
 from sits.kernels.fp8_ref import FP8_DTYPE, FP8_MAX
 from sits.kernels.triton_utils import cdiv, kernels_interpreted, next_power_of_2
+from sits.kernels.tuned_table import load_table, pick
 
 GROUP_SIZE = 128  # activation quantization group along K (DeepSeek-V3 / Qwen3-FP8)
 W8A16_MAX_ROWS = 64  # up to this M the GEMM keeps activations in the model dtype
@@ -268,22 +268,11 @@ def default_config(num_rows: int, num_cols: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
 
 
-def config_file_name(
-    num_cols: int, num_inner: int, device_name: str, scales: str = "block"
-) -> str:
+def config_file_name(num_cols: int, num_inner: int, device_name: str, scales: str = "block") -> str:
     """`fp8_gemm_N{N}_K{K}_{gpu}.json` (128 x 128 block scales) or
     `fp8_gemm_channel_N{N}_K{K}_{gpu}.json` (per-row scales): tuned configs keyed by M."""
     kind = "" if scales == "block" else f"{scales}_"
     return f"fp8_gemm_{kind}N{num_cols}_K{num_inner}_{device_name.replace(' ', '_')}.json"
-
-
-@functools.lru_cache(maxsize=64)
-def load_tuned(path: Path) -> tuple[tuple[int, Fp8GemmConfig], ...]:
-    """The (M, config) entries of a tuned file, sorted by M; () when there is no file."""
-    if not path.is_file():
-        return ()
-    entries = json.loads(path.read_text())
-    return tuple(sorted((int(m), Fp8GemmConfig.from_json(e)) for m, e in entries.items()))
 
 
 def select_config(
@@ -298,11 +287,8 @@ def select_config(
 
     scales: "block" or "channel" (per-row and per-tensor weight scales)."""
     name = config_file_name(num_cols, num_inner, device_name, scales)
-    entries = load_tuned(config_dir / name)
-    for key, config in entries:
-        if key >= num_rows:
-            return config
-    return entries[-1][1] if entries else default_config(num_rows, num_cols)
+    tuned = pick(load_table(config_dir / name, Fp8GemmConfig.from_json), num_rows)
+    return tuned if tuned is not None else default_config(num_rows, num_cols)
 
 
 @functools.lru_cache(maxsize=16)
@@ -405,9 +391,7 @@ def triton_fp8_linear(
     per_token = mode == "w8a8" and block is None
     if config is None:
         scales = "block" if block is not None else "channel"
-        config = select_config(
-            num_rows, num_cols, num_inner, _device_name(x.device), scales=scales
-        )
+        config = select_config(num_rows, num_cols, num_inner, _device_name(x.device), scales=scales)
     grouped = mode == "w8a8" and block is not None
     if (grouped and group_size % config.block_k) or (
         block is not None and block[1] % config.block_k

@@ -36,7 +36,6 @@ matmul tutorial.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from torch import Tensor
 
 from sits.kernels.int4_ref import PACK
 from sits.kernels.triton_utils import cdiv, kernels_interpreted
+from sits.kernels.tuned_table import load_table, pick
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 REDUCE_BLOCK_N = 256  # output columns per program of the split-K reduction
@@ -366,15 +366,6 @@ def config_file_name(num_cols: int, num_inner: int, group_size: int, device_name
     return f"w4a16_gemm_N{num_cols}_K{num_inner}_G{group_size}_{gpu}.json"
 
 
-@functools.lru_cache(maxsize=64)
-def load_tuned(path: Path) -> tuple[tuple[int, W4a16Config], ...]:
-    """The (M, config) entries of a tuned file, sorted by M; () when there is no file."""
-    if not path.is_file():
-        return ()
-    entries = json.loads(path.read_text())
-    return tuple(sorted((int(m), W4a16Config.from_json(e)) for m, e in entries.items()))
-
-
 def select_config(
     num_rows: int,
     num_cols: int,
@@ -385,11 +376,9 @@ def select_config(
 ) -> W4a16Config:
     """The tuned entry of the smallest key >= M (the largest key past all), else the default."""
     name, num_sms = _device_info(device)
-    entries = load_tuned(config_dir / config_file_name(num_cols, num_inner, group_size, name))
-    for key, config in entries:
-        if key >= num_rows:
-            return config
-    return entries[-1][1] if entries else default_config(num_rows, num_cols, num_inner, num_sms)
+    path = config_dir / config_file_name(num_cols, num_inner, group_size, name)
+    tuned = pick(load_table(path, W4a16Config.from_json), num_rows)
+    return tuned if tuned is not None else default_config(num_rows, num_cols, num_inner, num_sms)
 
 
 @functools.lru_cache(maxsize=16)
