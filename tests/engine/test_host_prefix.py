@@ -17,8 +17,8 @@ import json
 import pytest
 
 from sits import LLM, SamplingParams
-from sits.runner.swap import GIB_BYTES
 from sits.obs.server_metrics import _host_tier_families
+from sits.runner.swap import GIB_BYTES
 from tests.engine.hf_reference import random_prompts
 
 BLOCK_SIZE = 16
