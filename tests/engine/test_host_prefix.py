@@ -97,15 +97,15 @@ def test_evicted_prefix_comes_back_from_the_host_tier(runs) -> None:
     assert num_prompt_tokens == 450
     # The big cache hits the prefix on the device; the small one lost it to the others.
     assert big.scheduler.prefix_cache_stats.num_hit_tokens == PREFIX_TOKENS
-    assert big.num_prefill_tokens == num_prompt_tokens - PREFIX_TOKENS
+    assert big.stats.num_prefill_tokens == num_prompt_tokens - PREFIX_TOKENS
     assert recompute.scheduler.prefix_cache_stats.num_hit_tokens == 0
-    assert recompute.num_prefill_tokens == num_prompt_tokens
+    assert recompute.stats.num_prefill_tokens == num_prompt_tokens
     # With the host tier: the same 64 tokens hit on the host, exactly 64 fewer prefilled.
     stats = host.scheduler.swap_stats
     assert host.scheduler.prefix_cache_stats.num_hit_tokens == 0
     assert stats.num_host_hit_tokens == PREFIX_TOKENS
-    assert recompute.num_prefill_tokens - host.num_prefill_tokens == PREFIX_TOKENS
-    assert host.num_prefill_tokens == big.num_prefill_tokens
+    assert recompute.stats.num_prefill_tokens - host.stats.num_prefill_tokens == PREFIX_TOKENS
+    assert host.stats.num_prefill_tokens == big.stats.num_prefill_tokens
     assert stats.num_host_loaded_blocks == PREFIX_TOKENS // BLOCK_SIZE
     # Every eviction of a cached device block is copied out (32 host blocks never fill up):
     # 1 by the first 100-token prompt, 6 + 6 by the next two, 4 + 1 by the last request
@@ -136,7 +136,7 @@ def test_host_tier_too_small_to_keep_the_prefix(runs) -> None:
     recompute, small = runs["recompute"][0].engine_core, runs["small_host"][0].engine_core
     stats = small.scheduler.swap_stats
     assert stats.num_host_hit_tokens == 0 and stats.num_host_stored_blocks == 18
-    assert small.num_prefill_tokens == recompute.num_prefill_tokens
+    assert small.stats.num_prefill_tokens == recompute.stats.num_prefill_tokens
     assert small.scheduler.host.num_cached_blocks == 6
     assert small.scheduler.host.num_free_blocks == 6
 
