@@ -248,3 +248,32 @@ def test_both_sets_that_do_not_fit_are_refused_with_the_numbers() -> None:
     assert (err.full_bytes, err.twin_bytes, err.min_kv_bytes, err.budget_bytes) == (16, 5, 4, 8)
     assert "5 bytes for the int4 weights beside the 16 bytes" in str(err)
     assert "only 8 bytes" in str(err) and err.param == "precision_switch"
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_restoring_an_expert_requantizes_it_into_the_twin(tiny_model_factory, scheme) -> None:
+    from sits.runner.expert_health import ExpertMonitor
+
+    model_dir = tiny_model_factory("qwen3_moe")
+    fresh = _llm(model_dir, precision_switch=scheme).engine_core.runner.models[scheme]
+    llm = _llm(model_dir, precision_switch=scheme)
+    runner = llm.engine_core.runner
+    full, twin = runner.models["fp32"], runner.models[scheme]
+    monitor = ExpertMonitor.of_model(full, model_dir=str(model_dir), twins=[twin])
+    layer, expert = 1, 3
+    storage = ("w13", "w13_scale", "w2", "w2_scale")
+    with torch.no_grad():  # a corrupted expert in both sets
+        full.model.layers[layer].mlp.w13[expert].fill_(float("nan"))
+        for name in storage:
+            getattr(twin.model.layers[layer].mlp, name)[expert].zero_()
+    monitor.restore(layer, expert)
+    got, want = twin.model.layers[layer].mlp, fresh.model.layers[layer].mlp
+    for name in storage:
+        assert torch.equal(
+            getattr(got, name).view(torch.uint8), getattr(want, name).view(torch.uint8)
+        ), name
+    assert torch.isfinite(full.model.layers[layer].mlp.w13).all()
+    reference = _llm(model_dir, precision_switch=scheme)
+    for engine in (llm, reference):  # the restored expert, run in the low precision
+        engine.set_precision(scheme)
+    assert _greedy(llm, [[5, 9, 200, 31]]) == _greedy(reference, [[5, 9, 200, 31]])

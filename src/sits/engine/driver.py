@@ -78,11 +78,13 @@ class EngineDriver:
 
         self.core = core
         self.info = info
+        runner = core.runner
         monitor = ExpertMonitor.of_model(
-            core.runner.model,
+            runner.model,
             expert_freeze_after,
             model_dir=info.model_dir,
             auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
+            twins=[m for m in runner.models.values() if m is not runner.model],
         )
         self.experts = monitor if monitor.blocks else None
         self.expert_stats: ExpertStats | None = None

@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 from sits.core.errors import InvalidParameterError
 from sits.layers.moe import SparseMoeBlock
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertState
+from sits.layers.quant.fill import quantize_experts_
 from sits.runner.expert_restore import restore_expert, restore_expert_into_spare
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class ExpertMonitor:
         freeze_after: consecutive anomalous checks that freeze an expert; 0 disables freezing.
         model_dir: the checkpoint `restore` reads by default (None: it must be given).
         auto_restore: `read` restores the experts the health check froze (needs `model_dir`).
+        twin_blocks: decoder layer id -> the same layer's quantized MoE block in each other
+            resident weight set (the precision switch's twin); `restore` re-quantizes the
+            restored expert into them, so both sets hold the checkpoint's expert again.
 
     Attributes:
         newly_frozen: (layer, expert) frozen by the health check since the previous `read`.
@@ -141,12 +145,14 @@ class ExpertMonitor:
         *,
         model_dir: str | None = None,
         auto_restore: bool = False,
+        twin_blocks: Mapping[int, Sequence[nn.Module]] | None = None,
     ):
         if freeze_after < 0:
             raise InvalidParameterError("freeze_after", f"must be >= 0, got {freeze_after}")
         if auto_restore and model_dir is None:
             raise InvalidParameterError("model_dir", "auto_restore needs the checkpoint dir")
         self.blocks = dict(sorted(blocks.items()))
+        self.twin_blocks = {layer: tuple(twins) for layer, twins in (twin_blocks or {}).items()}
         self.freeze_after = freeze_after
         self.model_dir = model_dir
         self.auto_restore = auto_restore
@@ -167,14 +173,21 @@ class ExpertMonitor:
         *,
         model_dir: str | None = None,
         auto_restore: bool = False,
+        twins: Sequence[nn.Module] = (),
     ) -> ExpertMonitor:
-        """The monitor of every `SparseMoeBlock` in `model.model.layers` (may be empty)."""
-        blocks = {
-            layer_id: layer.mlp
-            for layer_id, layer in enumerate(model.model.layers)
-            if isinstance(layer.mlp, SparseMoeBlock)
+        """The monitor of every `SparseMoeBlock` in `model.model.layers` (may be empty);
+        `twins`: the other resident weight sets of the same model (see `twin_blocks`)."""
+        blocks = _moe_blocks(model)
+        twin_blocks = {
+            layer_id: [_moe_blocks(twin)[layer_id] for twin in twins] for layer_id in blocks
         }
-        return cls(blocks, freeze_after, model_dir=model_dir, auto_restore=auto_restore)
+        return cls(
+            blocks,
+            freeze_after,
+            model_dir=model_dir,
+            auto_restore=auto_restore,
+            twin_blocks=twin_blocks,
+        )
 
     @property
     def num_experts(self) -> int:
@@ -335,6 +348,8 @@ class ExpertMonitor:
         else:
             restore_expert(block, model_dir, layer_id, expert_id)
             slot = block.physical_slot(expert_id)
+            for twin in self.twin_blocks.get(layer_id, ()):
+                quantize_experts_(twin, block.w13, block.w2, experts=(expert_id,))
             logger.warning(
                 "MoE expert restored from the checkpoint: layer %d expert %d", layer_id, expert_id
             )
@@ -352,4 +367,13 @@ def _slot_stats(block: nn.Module) -> dict:
         "expert_slots": tuple(slots.slot_of),
         "num_free_slots": len(slots.free_slots),
         "num_relocated": slots.num_relocated,
+    }
+
+
+def _moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """Decoder layer id -> its `SparseMoeBlock`, for the MoE layers of `model.model.layers`."""
+    return {
+        layer_id: layer.mlp
+        for layer_id, layer in enumerate(model.model.layers)
+        if isinstance(layer.mlp, SparseMoeBlock)
     }

@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -124,13 +124,16 @@ def quantize_linear_(module: torch.nn.Module, weight: Tensor) -> None:
 
 
 @torch.no_grad()
-def quantize_experts_(block: torch.nn.Module, w13: Tensor, w2: Tensor) -> None:
+def quantize_experts_(
+    block: torch.nn.Module, w13: Tensor, w2: Tensor, experts: Sequence[int] | None = None
+) -> None:
     """Fill an FP8 or INT4 sparse MoE block's expert storage with the quantization of the
     model-dtype expert weights, one expert at a time.
 
     Args:
         block: an `Fp8SparseMoeBlock` or `Int4SparseMoeBlock` (materialised).
         w13: [E, 2 * I, H] gate and up rows; w2: [E, H, I]; any float dtype, on the device.
+        experts: the experts to fill (default: all E), e.g. one just restored.
 
     Raises:
         UnsupportedModelError: static activation scales; ValueError: wrong shapes.
@@ -143,16 +146,17 @@ def quantize_experts_(block: torch.nn.Module, w13: Tensor, w2: Tensor) -> None:
     ):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} of shape {tuple(tensor.shape)}, expected {shape}")
+    chosen = range(num_experts) if experts is None else experts
     if isinstance(block, Fp8SparseMoeBlock):
         _refuse_static_input_scales(block)
-        for expert in range(num_experts):
+        for expert in chosen:
             for name, tensor, parts in (("w13", w13, (inter, inter)), ("w2", w2, (hidden,))):
                 values, scale = _fp8_rows(tensor[expert], parts, block.quant.strategy, block.block)
                 getattr(block, name)[expert].copy_(values)
                 getattr(block, f"{name}_scale")[expert].copy_(scale)
         return
     group = block.quant.group_size or 0
-    for expert in range(num_experts):
+    for expert in chosen:
         for name, tensor, parts in (("w13", w13, (inter, inter)), ("w2", w2, (hidden,))):
 
             def target(suffix: str, name: str = name, expert: int = expert) -> Tensor | None:
