@@ -18,15 +18,14 @@ Layouts (as vLLM and transformers' FineGrainedFP8 read them):
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from sits import LLM, SamplingParams
+from sits import LLM
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, UnsupportedModelError
 from sits.engine.arg_utils import add_engine_args, engine_kwargs
@@ -44,9 +43,13 @@ from sits.layers.quant.fp8_moe import Fp8SparseMoeBlock
 from sits.models.loader import load_model
 from sits.runner.backends import graph_safe
 from tests.models.paged import PagedRunner
+from tests.models.quant_checkpoints import (
+    PROMPT,
+    greedy_tokens,
+    prompt_logits,
+    write_checkpoint,
+)
 
-PROMPT = [5, 77, 300, 12, 9, 480, 31, 64, 200, 3, 17]
-PROMPTS = [[5, 17, 99, 260, 3], [400, 2, 2, 2, 71, 8, 9, 10, 11]]
 BLOCK = (16, 24)  # bk does not divide hidden 64: ragged last column blocks
 QUANTIZED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 QUANTIZED |= {"w1", "w2", "w3"}  # Mixtral experts
@@ -116,16 +119,6 @@ def _quantize(fmt: str, name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
     }, q.float() * scale
 
 
-def _write(src: Path, dst: Path, weights: dict, quantization_config: dict | None) -> Path:
-    dst.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file(weights, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def fp8_pair(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], tuple[Path, Path]]:
     """`make(arch, fmt) -> (quantized checkpoint, dequantized float32 checkpoint)`."""
@@ -144,26 +137,12 @@ def fp8_pair(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], tuple[Pa
                 else:
                     quantized[name] = dequantized[name] = tensor
             made[arch, fmt] = (
-                _write(src, base / f"{arch}-{fmt}-q", quantized, FORMATS[fmt]),
-                _write(src, base / f"{arch}-{fmt}-dq", dequantized, None),
+                write_checkpoint(src, base / f"{arch}-{fmt}-q", quantized, FORMATS[fmt]),
+                write_checkpoint(src, base / f"{arch}-{fmt}-dq", dequantized, None),
             )
         return made[arch, fmt]
 
     return make
-
-
-def _logits(model_dir: Path, **kwargs) -> torch.Tensor:
-    model = load_model(str(model_dir), torch.float32, "cpu", **kwargs)
-    return PagedRunner(model).step([("a", PROMPT)])[0]
-
-
-def _greedy(model_dir: Path, **kwargs) -> list[list[int]]:
-    llm = LLM(
-        str(model_dir), dtype="float32", skip_tokenizer_init=True, max_model_len=256, **kwargs
-    )
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -179,7 +158,7 @@ def test_fp8_checkpoint_logits_equal_the_dequantized_model(fp8_pair, arch, fmt) 
         assert isinstance(mlp, Fp8SparseMoeBlock) and mlp.w13.dtype == FP8_DTYPE
         assert mlp.gate.weight.dtype == torch.float32
     got = PagedRunner(model).step([("a", PROMPT)])[0]
-    want = _logits(dequantized)
+    want = prompt_logits(dequantized)
     assert torch.allclose(got, want, rtol=0, atol=ATOL), (got - want).abs().max()
 
 
@@ -188,7 +167,7 @@ def test_fp8_checkpoint_logits_equal_the_dequantized_model(fp8_pair, arch, fmt) 
 )
 def test_fp8_checkpoint_greedy_tokens_equal_the_dequantized_model(fp8_pair, arch, fmt) -> None:
     quantized, dequantized = fp8_pair(arch, fmt)
-    assert _greedy(quantized) == _greedy(dequantized)
+    assert greedy_tokens(quantized) == greedy_tokens(dequantized)
 
 
 def _online_reference(src: Path, dst: Path) -> Path:
@@ -199,7 +178,7 @@ def _online_reference(src: Path, dst: Path) -> Path:
             q, scale = quantize_fp8_per_row(tensor)
             tensor = q.float() * scale[:, None]
         weights[name] = tensor
-    return _write(src, dst, weights, None)
+    return write_checkpoint(src, dst, weights, None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
@@ -210,9 +189,9 @@ def test_online_fp8_equals_the_dequantized_fp8_weights(tiny_checkpoint, tmp_path
     scale = model.model.layers[1].self_attn.qkv_proj.weight_scale
     assert scale.shape == (128,) and scale.dtype == torch.float32  # per output row
     got = PagedRunner(model).step([("a", PROMPT)])[0]
-    assert torch.allclose(got, _logits(reference), rtol=0, atol=ATOL)
-    assert not torch.equal(got, _logits(src))  # the weights really were rounded to FP8
-    assert _greedy(src, quantization="fp8") == _greedy(reference)
+    assert torch.allclose(got, prompt_logits(reference), rtol=0, atol=ATOL)
+    assert not torch.equal(got, prompt_logits(src))  # the weights really were rounded to FP8
+    assert greedy_tokens(src, quantization="fp8") == greedy_tokens(reference)
 
 
 def test_the_ignore_list_keeps_modules_unquantized(fp8_pair, tmp_path) -> None:
@@ -223,12 +202,12 @@ def test_the_ignore_list_keeps_modules_unquantized(fp8_pair, tmp_path) -> None:
         del weights[name]
     weights.update({n: t for n, t in plain.items() if n.startswith("model.layers.1.mlp.")})
     config = {**FORMATS["fp8_block"], "modules_to_not_convert": ["model.layers.1.mlp"]}
-    partial = _write(quantized, tmp_path / "partial", weights, config)
+    partial = write_checkpoint(quantized, tmp_path / "partial", weights, config)
     model = load_model(str(partial), torch.float32, "cpu")
     assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     got = PagedRunner(model).step([("a", PROMPT)])[0]
-    assert torch.allclose(got, _logits(dequantized), rtol=0, atol=ATOL)
+    assert torch.allclose(got, prompt_logits(dequantized), rtol=0, atol=ATOL)
 
 
 def test_fp8_experts_fall_back_to_the_reference_off_the_fused_kernel(fp8_pair) -> None:
@@ -285,7 +264,7 @@ def test_unimplemented_quantization_flags_are_refused_at_start(name) -> None:
 )
 def test_unsupported_checkpoint_schemes_are_refused(tiny_checkpoint, tmp_path, config, found):
     src = tiny_checkpoint("llama")
-    bad = _write(src, tmp_path / "bad", load_file(str(src / "model.safetensors")), config)
+    bad = write_checkpoint(src, tmp_path / "bad", load_file(str(src / "model.safetensors")), config)
     with pytest.raises(UnsupportedModelError, match="supported") as info:
         load_model(str(bad), torch.float32, "cpu")
     assert found in str(info.value)
@@ -301,7 +280,7 @@ def _broken(fp8_pair, tmp_path: Path, edit: Callable[[dict], None]) -> Path:
     quantized, _ = fp8_pair("qwen3_moe", "fp8_block")
     weights = load_file(str(quantized / "model.safetensors"))
     edit(weights)
-    return _write(quantized, tmp_path / "broken", weights, FORMATS["fp8_block"])
+    return write_checkpoint(quantized, tmp_path / "broken", weights, FORMATS["fp8_block"])
 
 
 def test_a_missing_weight_scale_inv_is_named(fp8_pair, tmp_path) -> None:

@@ -28,18 +28,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from sits import LLM, SamplingParams
 from sits.core.errors import InvalidParameterError, UnsupportedModelError
 from sits.layers.quant import config as quant_config
 from sits.layers.quant.int4_linear import Int4QKVLinear
 from sits.layers.quant.int4_moe import Int4SparseMoeBlock
 from sits.models.loader import load_model
 from tests.models.paged import PagedRunner
+from tests.models.quant_checkpoints import (
+    PROMPT,
+    greedy_tokens,
+    prompt_logits,
+    write_checkpoint,
+)
 
-PROMPT = [5, 77, 300, 12, 9, 480, 31, 64, 200, 3, 17]
-PROMPTS = [[5, 17, 99, 260, 3], [400, 2, 2, 2, 71, 8, 9, 10, 11]]
 GROUP = 16
 QUANTIZED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 QUANTIZED |= {"w1", "w2", "w3"}  # Mixtral experts
@@ -129,16 +132,6 @@ def _quantize(fmt: str, name: str, weight: torch.Tensor) -> tuple[dict, torch.Te
     }, dequantized
 
 
-def _write(src: Path, dst: Path, weights: dict, quantization_config: dict | None) -> Path:
-    dst.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def int4_pair(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], tuple[Path, Path]]:
     """`make(arch, fmt) -> (quantized checkpoint, dequantized float32 checkpoint)`."""
@@ -156,26 +149,12 @@ def int4_pair(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], tuple[P
                 else:
                     quantized[name] = dequantized[name] = tensor
             made[arch, fmt] = (
-                _write(src, base / f"{arch}-{fmt}-q", quantized, FORMATS[fmt]),
-                _write(src, base / f"{arch}-{fmt}-dq", dequantized, None),
+                write_checkpoint(src, base / f"{arch}-{fmt}-q", quantized, FORMATS[fmt]),
+                write_checkpoint(src, base / f"{arch}-{fmt}-dq", dequantized, None),
             )
         return made[arch, fmt]
 
     return make
-
-
-def _logits(model_dir: Path, **kwargs) -> torch.Tensor:
-    model = load_model(str(model_dir), torch.float32, "cpu", **kwargs)
-    return PagedRunner(model).step([("a", PROMPT)])[0]
-
-
-def _greedy(model_dir: Path, **kwargs) -> list[list[int]]:
-    llm = LLM(
-        str(model_dir), dtype="float32", skip_tokenizer_init=True, max_model_len=256, **kwargs
-    )
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 CASES = [(arch, fmt) for fmt in ("ct", "gptq", "awq") for arch in ("llama", "qwen3_moe", "mixtral")]
@@ -193,7 +172,7 @@ def test_int4_checkpoint_logits_equal_the_dequantized_model(int4_pair, arch, fmt
         assert isinstance(mlp, Int4SparseMoeBlock) and mlp.w13.dtype == torch.int32
         assert mlp.gate.weight.dtype == torch.float32
     got = PagedRunner(model).step([("a", PROMPT)])[0]
-    want = _logits(dequantized)
+    want = prompt_logits(dequantized)
     assert torch.allclose(got, want, rtol=0, atol=ATOL), (got - want).abs().max()
 
 
@@ -202,7 +181,7 @@ def test_int4_checkpoint_logits_equal_the_dequantized_model(int4_pair, arch, fmt
 )
 def test_int4_checkpoint_greedy_tokens_equal_the_dequantized_model(int4_pair, arch, fmt) -> None:
     quantized, dequantized = int4_pair(arch, fmt)
-    assert _greedy(quantized) == _greedy(dequantized)
+    assert greedy_tokens(quantized) == greedy_tokens(dequantized)
 
 
 def _online_reference(src: Path, dst: Path) -> Path:
@@ -225,7 +204,7 @@ def _online_reference(src: Path, dst: Path) -> Path:
             pick = best[None, ..., None].expand(1, *rounded.shape[1:])
             tensor = rounded.gather(0, pick)[0].reshape(tensor.shape)
         weights[name] = tensor
-    return _write(src, dst, weights, None)
+    return write_checkpoint(src, dst, weights, None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
@@ -239,9 +218,9 @@ def test_online_int4_equals_the_dequantized_int4_weights(
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert qkv.weight.shape == (128, 8) and qkv.weight_scale.shape == (128, 64 // GROUP)
     got = PagedRunner(model).step([("a", PROMPT)])[0]
-    assert torch.allclose(got, _logits(reference), rtol=0, atol=ATOL)
-    assert not torch.equal(got, _logits(src))  # the weights really were rounded to INT4
-    assert _greedy(src, quantization="int4") == _greedy(reference)
+    assert torch.allclose(got, prompt_logits(reference), rtol=0, atol=ATOL)
+    assert not torch.equal(got, prompt_logits(src))  # the weights really were rounded to INT4
+    assert greedy_tokens(src, quantization="int4") == greedy_tokens(reference)
 
 
 # ---- refusals -----------------------------------------------------------------------------
@@ -271,7 +250,7 @@ def _broken(int4_pair, tmp_path: Path, fmt: str, edit: Callable[[dict], None]) -
     quantized, _ = int4_pair("qwen3_moe", fmt)
     weights = load_file(str(quantized / "model.safetensors"))
     edit(weights)
-    return _write(quantized, tmp_path / "broken", weights, FORMATS[fmt])
+    return write_checkpoint(quantized, tmp_path / "broken", weights, FORMATS[fmt])
 
 
 def _refusal(path: Path) -> str:
@@ -325,7 +304,7 @@ def test_a_wrong_weight_shape_and_a_sequential_g_idx_are_checked(int4_pair, tmp_
 def test_a_group_size_that_does_not_divide_k_is_refused(int4_pair, tmp_path) -> None:
     quantized, _ = int4_pair("qwen3_moe", "gptq")
     config = {**FORMATS["gptq"], "group_size": 48}
-    bad = _write(
+    bad = write_checkpoint(
         quantized, tmp_path / "g48", load_file(str(quantized / "model.safetensors")), config
     )
     assert "group size 48 does not divide its 64 input columns" in _refusal(bad)
@@ -342,7 +321,7 @@ def test_a_group_size_that_does_not_divide_k_is_refused(int4_pair, tmp_path) -> 
 )
 def test_unsupported_int4_schemes_are_refused(int4_pair, tmp_path, config, found) -> None:
     quantized, _ = int4_pair("qwen3_moe", "gptq")
-    bad = _write(
+    bad = write_checkpoint(
         quantized, tmp_path / "bad", load_file(str(quantized / "model.safetensors")), config
     )
     assert found in _refusal(bad)
@@ -352,7 +331,7 @@ def test_asymmetric_compressed_tensors_is_refused(int4_pair, tmp_path) -> None:
     quantized, _ = int4_pair("llama", "ct")
     config = json.loads(json.dumps(FORMATS["ct"]))
     config["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    bad = _write(
+    bad = write_checkpoint(
         quantized, tmp_path / "asym", load_file(str(quantized / "model.safetensors")), config
     )
     assert "pack-quantized weights" in _refusal(bad)
