@@ -26,7 +26,7 @@ from sits.engine.arg_utils import add_engine_args, engine_kwargs
 from sits.engine.requests import make_engine_requests
 from sits.layers.quant import config as quant_config
 from sits.models.loader import load_model
-from sits.models.precision_twin import check_unquantized
+from sits.models.precision_twin import build_twin, check_unquantized, meta_twin
 from sits.runner.precision import check_twin_fits
 from tests.models.paged import PagedRunner
 
@@ -85,6 +85,26 @@ def test_the_twin_shares_unquantized_tensors_and_equals_a_quantized_engine(
     assert twin_tokens == quantized
     assert llm.set_precision("fp32").num_switches == 2
     assert _greedy(llm, PROMPTS) == full_tokens
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "fp8"), ("qwen3_moe", "int4")])
+def test_a_float32_checkpoint_served_in_bf16_quantizes_its_bf16_values(
+    tiny_model_factory, arch, scheme
+) -> None:
+    """The tiny checkpoints are float32: the loader's online quantization must quantize the
+    bf16 values the engine serves, as the twin does (the GPU test runs bf16 and caught it)."""
+    model_dir = tiny_model_factory(arch)
+    full = load_model(str(model_dir), torch.bfloat16, "cpu")
+    twin = build_twin(full, meta_twin(str(model_dir), scheme, torch.bfloat16), torch.device("cpu"))
+    quantized = load_model(str(model_dir), torch.bfloat16, "cpu", quantization=scheme)
+    expected = dict(quantized.named_parameters())
+    compared = 0
+    for name, param in twin.named_parameters():
+        assert param.dtype == expected[name].dtype, name
+        assert torch.equal(param.view(torch.uint8), expected[name].view(torch.uint8)), name
+        compared += param.dtype in (torch.float8_e4m3fn, torch.int32)  # the quantized storage
+    storage = (torch.float8_e4m3fn, torch.int32)
+    assert compared == sum(p.dtype in storage for p in expected.values()) > 0
 
 
 def _reference(model_dir, scheme: str, prompt: list[int], precisions: list[str]) -> list[int]:

@@ -289,18 +289,22 @@ def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
 def _online_fp8_pairs(
     model: DecoderForCausalLM, pairs: Iterable[tuple[str, Tensor]]
 ) -> Iterator[tuple[str, Tensor]]:
-    """Online FP8: each model-dtype weight bound for an FP8 parameter becomes (name, FP8
-    values) and (name + "_scale", per-row scales), the pairs of a per-channel checkpoint."""
+    """Online FP8: each weight bound for an FP8 parameter becomes (name, FP8 values) and
+    (name + "_scale", per-row scales), the pairs of a per-channel checkpoint. The weight is
+    cast to the model dtype first, as vLLM quantizes what it loaded: a float32 checkpoint
+    served in bf16 quantizes its bf16 values, exactly what the precision switch's twin
+    (`layers.quant.fill`) quantizes on the device."""
     from sits.kernels.fp8_ref import FP8_DTYPE, quantize_fp8_per_row
 
     params = dict(model.named_parameters())
+    dtype = model.model.embed_tokens.weight.dtype
     for name, tensor in pairs:
         target = None if _is_skipped(model, name) else _target_of(model, name, params)
         quantized = target is not None and params[target.param_name].dtype == FP8_DTYPE
         if not quantized or tensor.dtype == FP8_DTYPE or not name.endswith(".weight"):
             yield name, tensor
             continue
-        values, scale = quantize_fp8_per_row(tensor)  # [N, K] fp8, [N] float32
+        values, scale = quantize_fp8_per_row(tensor.to(dtype))  # [N, K] fp8, [N] float32
         yield name, values
         yield f"{name}_scale", scale
 
@@ -310,10 +314,12 @@ def _online_int4_pairs(
 ) -> Iterator[tuple[str, Tensor]]:
     """Online INT4: each model-dtype weight bound for an INT4 module becomes the tensors of a
     compressed-tensors pack-quantized checkpoint (`weight_packed`, `weight_scale`,
-    `weight_shape`), quantized symmetric group-wise (`kernels.int4_ref.quantize_int4`)."""
+    `weight_shape`), quantized symmetric group-wise (`kernels.int4_ref.quantize_int4`) from
+    its model-dtype values (as `_online_fp8_pairs`)."""
     from sits.kernels.int4_ref import quantize_int4
 
     params = dict(model.named_parameters())
+    dtype = model.model.embed_tokens.weight.dtype
     quant = model_quant_config(model)
     assert quant is not None and quant.group_size is not None
     for name, tensor in pairs:
@@ -325,7 +331,7 @@ def _online_int4_pairs(
             yield name, tensor
             continue
         # [N, K / 8] int32 and [N, K / G] float32
-        packed, scale = quantize_int4(tensor, quant.group_size)
+        packed, scale = quantize_int4(tensor.to(dtype), quant.group_size)
         yield packed_name, packed
         yield f"{module}.weight_scale", scale
         yield f"{module}.weight_shape", torch.tensor(tuple(tensor.shape))
