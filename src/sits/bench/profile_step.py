@@ -46,9 +46,11 @@ def _llm(
     max_model_len: int | None = None,
     dtype: str = "bfloat16",
     max_num_batched_tokens: int = 2048,
+    quantization: str | None = None,
 ):
     """An engine on random weights of `shape`; max_model_len None: 4,096 or the shape's own
-    limit when that is shorter (the tiny CPU shapes); steps of up to max_num_batched_tokens."""
+    limit when that is shorter (the tiny CPU shapes); steps of up to max_num_batched_tokens;
+    `quantization` ("fp8", "int4" or None) quantizes the random weights online."""
     import json
     from pathlib import Path
 
@@ -69,6 +71,7 @@ def _llm(
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=0.85,
+        quantization=quantization,
     )
 
 
@@ -309,18 +312,34 @@ def main(argv: list[str] | None = None) -> int:
         "--max-model-len", type=int, default=None, help="default: 4096 or the shape's limit"
     )
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="online weight quantization: fp8, int4")
     args = p.parse_args(argv)
     print("Command:", " ".join(sys.argv))
     if args.mixed_tokens or args.replay:
         budget = max([2048, *args.mixed_tokens])
-        llm = _llm(args.random_weights, 256, False, args.max_model_len, args.dtype, budget)
+        llm = _llm(
+            args.random_weights,
+            256,
+            False,
+            args.max_model_len,
+            args.dtype,
+            budget,
+            args.quantization,
+        )
         with torch.inference_mode():
             if args.mixed_tokens:
                 _mixed_sweep(llm.engine_core.runner, args)
             if args.replay:
                 _replay(llm.engine_core.runner, args)
         return 0
-    llm = _llm(args.random_weights, max(args.batch_sizes), False, args.max_model_len, args.dtype)
+    llm = _llm(
+        args.random_weights,
+        max(args.batch_sizes),
+        False,
+        args.max_model_len,
+        args.dtype,
+        quantization=args.quantization,
+    )
     runner = llm.engine_core.runner
     bs = runner.block_size
     rows = []
