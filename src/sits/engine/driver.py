@@ -1,10 +1,10 @@
-"""`EngineDriver`: the engine side both asyncio front ends run between commands.
+"""`EngineDriver`: the engine loop's helper for steps, experts and stats snapshots.
 
-`AsyncLLM` (engine thread) and `AsyncMPLLM`'s child process (`sits.engine.engine_proc`) step
-the same `EngineCore` the same way; this class holds that once: one step with the "stalled"
-rule, the periodic copy of the MoE expert counters to the host (which also restores frozen
-experts when the monitor auto-restores), the named expert operations, and the `EngineStats`
-snapshots with their rate-limited per-tenant scan. It runs on the engine's own thread only.
+`EngineLoop` (`sits.engine.engine_loop`, in a thread or in a child process) steps its
+`EngineCore` through this class: one step with the "stalled" rule, the periodic copy of the
+MoE expert counters to the host (which also restores frozen experts when the monitor
+auto-restores), the named expert operations, and the `EngineStats` snapshots with their
+rate-limited per-tenant scan. It runs on the engine's own thread only.
 
 Rules:
 - A step is stalled when it produced nothing, nothing runs, nothing was preempted and (async
@@ -26,18 +26,16 @@ from typing import TYPE_CHECKING
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
-from sits.engine.front_end import tier_values
+from sits.engine.engine_stats import ALL_TIERS, EngineStats, snapshot_stats, tier_values
 from sits.runner.expert_health import ExpertMonitor, ExpertStats
 from sits.sched.config import TenantTier
 
 if TYPE_CHECKING:
-    from sits.engine.async_llm import EngineStats
     from sits.engine.core import EngineCore
     from sits.runner.model_info import ModelInfo
 
 LOAD_STATS_PERIOD_S = 0.02
 EXPERT_STATS_PERIOD_STEPS = 8
-ALL_TIERS = tuple(tier.value for tier in TenantTier)
 
 
 def force_after_commands(waited: bool, core: EngineCore) -> bool:
@@ -74,8 +72,6 @@ class EngineDriver:
         expert_freeze_after: int,
         restore_frozen_experts: bool,
     ) -> None:
-        from sits.engine.async_llm import EngineStats
-
         self.core = core
         self.info = info
         runner = core.runner
@@ -158,8 +154,6 @@ class EngineDriver:
 
     def snapshot(self, force: bool = False) -> EngineStats:
         """A fresh snapshot, kept in `stats` (the per-tenant scan as the module says)."""
-        from sits.engine.async_llm import snapshot_stats
-
         now_s = time.monotonic()
         refresh_load = force or now_s - self._load_time_s >= LOAD_STATS_PERIOD_S
         if refresh_load:
