@@ -1,11 +1,11 @@
 """`LoopProfile`: where the engine loop's time goes, logged at INFO every `period_s`.
 
-The engine loop (`AsyncLLM`'s thread or `AsyncMPLLM`'s child process) times its own phases with
+The engine loop (`EngineLoop`, in a thread or a child process) times its own phases with
 `add` (or `mark` then one `lap` per phase): "commands" (handling adds, finishes and calls),
 "step" (`EngineDriver.step`: the core step and the expert read), "stats" (snapshots) and
-"send" (handing outputs to the server; the engine process writes a step's outputs during
-the next step's forward, inside its "runner" time, so there "send" counts only writes made
-outside a step).
+"send" (handing outputs to the front end; the loop writes a step's outputs during the next
+step's forward, inside its "runner" time, so "send" counts only writes made outside a
+step).
 `maybe_log` reads the core's cumulative counters (`StepStats.phase_s`: schedule, runner,
 update; steps, decode rows, prefill tokens and chunks, preemptions, wasted prefill tokens),
 and the runner's when it keeps them (`ModelRunner.phase_s`: launch, shadow, sync; rows run,

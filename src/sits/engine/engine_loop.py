@@ -1,0 +1,288 @@
+"""`EngineLoop`: the one engine step loop, whichever transport carries its messages.
+
+The loop owns the `EngineCore` (through its `EngineDriver`) and talks to the front end
+(`AsyncLLM`) only through two small objects it is given: a command source (`poll(timeout_s)`,
+`recv()`) and an event sink (`send(event)`), with the messages of `sits.engine.messages`.
+The in-thread transport (`sits.engine.thread_transport`) gives it a queue and a callback; the
+process transport (`sits.engine.process_transport`) the two ends of a pair of pipes. Both run
+this same loop with the same rules:
+
+- While idle or stalled (`EngineDriver.step`) it blocks on the commands for up to
+  `_IDLE_WAIT_S`, and sends a `Heartbeat` when the wait found none.
+- Stats snapshots: after a batch of commands that ends an idle wait or leaves the engine idle
+  (`force_after_commands`), before each call's result (so its caller sees its effect), and
+  after a step when idle, when the step changed the number of running or waiting requests,
+  and else every `_STATS_PERIOD_S`.
+- A step's `StepOutputs` is written during the next step, once its forward is launched
+  (`EngineCore.step`'s `while_gpu_runs`): the event's cost (the pickling and the pipe write,
+  ~1.5-2 ms per step on the H200's host, in the process transport) then overlaps the device's
+  work instead of lengthening every step, which under TPOT pacing is batch given up. It is
+  written at once when no step follows (idle, stalled, stopping, dying).
+- Commands queued by then are read in the same shadow: new requests (`AddRequest`) join the
+  waiting queues at once (under load about four per step, ~1 ms of host work that each step
+  paid before); any other command waits for the step's end, with everything after it
+  (`while_gpu_runs`). So a `StatsUpdate` sent after commands can overtake an older step's
+  event; the front end keeps the newest snapshot by `EngineStats.time_s`.
+- Command handling between two steps lasts at most `MAX_DRAIN_S`; the rest waits one step.
+- The loop publishes its times (the running step's start, its last turn) through a
+  `LoopTimes`-like object for the front end's health check (`sits.engine.health`).
+- A failure sends the pending step's outputs, then `EngineDied`, and ends the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Protocol
+
+from sits.core.errors import SitsError
+from sits.engine.driver import EngineDriver, force_after_commands
+from sits.engine.engine_stats import EngineStats
+from sits.engine.loop_profile import LoopProfile
+from sits.engine.messages import (
+    AddFailed,
+    AddRequest,
+    CallResult,
+    Command,
+    EngineCall,
+    EngineDied,
+    Event,
+    FinishRequests,
+    Heartbeat,
+    RecordTimeline,
+    SetBorrowingTiers,
+    StatsUpdate,
+    StepOutputs,
+    Stop,
+    pack_error,
+)
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.2  # longest wait for a command while idle, seconds
+_STATS_PERIOD_S = 0.02  # snapshot period while stepping, seconds
+MAX_DRAIN_S = 0.05  # longest run of command handling between two steps, seconds
+
+
+class CommandSource(Protocol):
+    """Where the loop's commands come from (front end -> loop), in order."""
+
+    def poll(self, timeout_s: float) -> bool:
+        """Whether a command is ready, waiting up to `timeout_s` for one."""
+        ...
+
+    def recv(self) -> Command:
+        """The next command (call after `poll` returned True)."""
+        ...
+
+
+class EventSink(Protocol):
+    """Where the loop's events go (loop -> front end)."""
+
+    def send(self, event: Event) -> None:
+        """Hand `event` on (may raise OSError / EOFError when the front end is gone)."""
+        ...
+
+
+class LoopTimesSink(Protocol):
+    """Where the loop publishes its times (`sits.engine.health.LoopTimes`)."""
+
+    def mark(self, step_started_s: float) -> None: ...
+
+
+class EngineLoop:
+    """The step loop over one driver (see the module docstring). Runs on one thread only.
+
+    Args:
+        driver: the engine's driver (its `core` is the engine core).
+        commands: the command source.
+        events: the event sink.
+        loop_times: where the loop publishes its times.
+
+    Attributes:
+        stopping: a `Stop` was handled (the loop ends after this turn).
+        pending: the last step's `StepOutputs`, written during the next step.
+        deferred: commands read during a step, handled after it, in order.
+        took_adds: the running step's forward took new requests.
+    """
+
+    def __init__(
+        self,
+        driver: EngineDriver,
+        commands: CommandSource,
+        events: EventSink,
+        loop_times: LoopTimesSink,
+    ) -> None:
+        self.driver = driver
+        self.core = driver.core
+        self.commands = commands
+        self.events = events
+        self.loop_times = loop_times
+        self.stopping = False
+        self.pending: StepOutputs | None = None
+        self.deferred: list[Command] = []
+        self.took_adds = False
+        self.stats_time_s = time.monotonic()
+        self.profile = LoopProfile(driver.core)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot."""
+        return self.driver.stats
+
+    def run(self) -> bool:
+        """The step loop until `Stop` or the front end goes away.
+
+        Returns:
+            True when the loop died (an `EngineDied` was sent), False when it stopped.
+        """
+        core = self.core
+        sched = core.scheduler
+        profile = self.profile
+        stalled = False
+        try:
+            while not self.stopping:
+                self.loop_times.mark(0.0)
+                idle = stalled or not core.has_unfinished_requests()
+                if idle:
+                    self.flush()  # no step follows soon: the last one's outputs go now
+                self.drain(block=idle)
+                if self.stopping or not core.has_unfinished_requests():
+                    continue
+                profile.mark()
+                self.loop_times.mark(time.monotonic())
+                # The last step's outputs are written, and new requests taken, while the
+                # device runs this one.
+                self.took_adds = False
+                outputs, stalled = self.driver.step(self.while_gpu_runs)
+                self.loop_times.mark(0.0)
+                profile.lap("step")
+                stalled = stalled and not self.took_adds  # stalled: wait for a command
+                idle = stalled or not core.has_unfinished_requests()
+                due = (
+                    idle
+                    or time.monotonic() - self.stats_time_s >= _STATS_PERIOD_S
+                    or (sched.num_running, sched.num_waiting)
+                    != (self.stats.num_running, self.stats.num_waiting)
+                )
+                stats = self.snapshot(force=idle) if due else None
+                profile.lap("stats")
+                self.flush()  # a step with no device phase did not write the one before
+                if outputs or stats is not None:
+                    self.pending = StepOutputs(outputs, stats)
+                profile.lap("send")
+                profile.maybe_log()
+            self.flush()
+        except (EOFError, BrokenPipeError):
+            logger.info("engine loop: the front end is gone; exiting")
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+            logger.exception("engine loop died")
+            self._send_quietly(self.pending)
+            self._send_quietly(EngineDied(pack_error(exc)))
+            return True
+        return False
+
+    def flush(self) -> None:
+        """Write the pending `StepOutputs`, if any (see `run`)."""
+        event, self.pending = self.pending, None
+        if event is not None:
+            self.events.send(event)
+
+    def while_gpu_runs(self) -> None:
+        """Host work in the shadow of a step's forward: write the last step's outputs, then
+        read the queued commands for at most `MAX_DRAIN_S`. New requests (`AddRequest`) only
+        join the waiting queues, which the running step does not read, so they are handled
+        at once; the first other command (an abort frees blocks the step is writing, an
+        expert operation changes weights it reads) and everything after it wait in
+        `deferred` for the drain after the step, keeping the commands' order."""
+        self.flush()
+        commands = self.commands
+        deadline_s = time.monotonic() + MAX_DRAIN_S
+        while not self.deferred and commands.poll(0) and time.monotonic() < deadline_s:
+            command = commands.recv()
+            if not isinstance(command, AddRequest):
+                self.deferred.append(command)
+                return
+            self.handle(command)
+            self.took_adds = True
+
+    def drain(self, block: bool) -> None:
+        """Handle the deferred and queued commands (waiting up to `_IDLE_WAIT_S` for one when
+        `block` and none was deferred) for at most `MAX_DRAIN_S`; a `Heartbeat` when the wait
+        found none. The bound keeps a flood of commands from holding the steps (and the
+        heartbeat they carry) back: the rest waits for the next drain, one step later.
+
+        After an idle wait, or when the commands left nothing to run, a fresh snapshot
+        follows (`force_after_commands`). Between busy steps none does: the step that follows
+        at once sends one at its end (the counts changed, or `_STATS_PERIOD_S` passed), and a
+        snapshot here (~0.3 ms on the H200's host) came out of every paced step."""
+        commands = self.commands
+        if not self.deferred and not commands.poll(_IDLE_WAIT_S if block else 0):
+            if block:
+                self.events.send(Heartbeat())
+            return
+        start_s = time.monotonic()
+        deadline_s = start_s + MAX_DRAIN_S
+        while self.deferred and not self.stopping:
+            self.handle(self.deferred.pop(0))
+        while not self.stopping and commands.poll(0) and time.monotonic() < deadline_s:
+            self.handle(commands.recv())
+        if force_after_commands(block, self.core):
+            self.events.send(StatsUpdate(self.snapshot(force=True)))
+        self.profile.add("commands", time.monotonic() - start_s)
+
+    def handle(self, command: Command) -> None:
+        """Apply one command to the engine (between steps, or an add during a forward)."""
+        core = self.core
+        match command:
+            case AddRequest(request_id, children):
+                try:
+                    for child in children:
+                        core.add_request(child)
+                except SitsError as exc:  # a request that can never be served; not a failure
+                    core.finish_requests([c.request_id for c in children])
+                    self.events.send(AddFailed(request_id, pack_error(exc)))
+            case FinishRequests(request_ids, reason, stop_reason):
+                core.finish_requests(list(request_ids), reason, stop_reason)
+            case SetBorrowingTiers(tiers):
+                self.driver.set_borrowing_tiers(tiers)
+            case RecordTimeline(enabled):
+                core.stats.record_request_chunks = enabled
+            case EngineCall(call_id, name, args):
+                try:
+                    result = CallResult(call_id, True, self.call(name, args))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    result = CallResult(call_id, False, pack_error(exc))
+                # Stats first: once the caller has its result, stats() shows the call's effect.
+                self.events.send(StatsUpdate(self.snapshot(force=False)))
+                self.events.send(result)
+            case Stop():
+                self.stopping = True
+            case _:
+                raise TypeError(f"not an engine command: {command!r}")
+
+    def call(self, name: str, args: tuple) -> Any:
+        """The loop method `name` of an `EngineCall` (one of `messages.CALL_NAMES`).
+
+        Raises:
+            What the method raises (InvalidParameterError, UnsupportedModelError, ...).
+        """
+        if name == "prefill_chunks":
+            return list(self.core.stats.prefill_chunks)
+        if name == "set_precision":
+            return self.core.set_precision(*args)  # (name, the front end's time.monotonic())
+        if name == "expert_stats":
+            return self.driver.read_experts()
+        return self.driver.expert_operation(name.removesuffix("_expert"), *args)
+
+    def snapshot(self, force: bool) -> EngineStats:
+        """A fresh stats snapshot (`EngineDriver.snapshot`), noting when it was taken."""
+        self.stats_time_s = time.monotonic()
+        return self.driver.snapshot(force)
+
+    def _send_quietly(self, event: Event | None) -> None:
+        if event is None:
+            return
+        with contextlib.suppress(OSError, ValueError, EOFError):  # the front end is gone
+            self.events.send(event)
