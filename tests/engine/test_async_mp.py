@@ -1,5 +1,7 @@
-"""AsyncMPLLM (engine in a child process): same outputs, stats, control and errors as AsyncLLM;
-child death fails requests at once; startup errors reach the constructor.
+"""The two engine modes agree (`AsyncMPLLM`, the loop in a child process, against `AsyncLLM`
+with the loop in a thread): same outputs, stop strings and errors; and what only the process
+mode has: a killed child fails requests at once, startup errors reach the constructor, errors
+survive the pipe. The tests both modes share are in `test_async_llm.py`.
 
 Each AsyncMPLLM spawns a child that imports torch (seconds), so the engines are module-scoped
 and the tests that need their own child are few.
@@ -22,7 +24,7 @@ from sits.core.outputs import RequestOutput
 from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.async_mp import AsyncMPLLM
-from sits.engine.engine_proc import pack_error, unpack_error
+from sits.engine.messages import pack_error, unpack_error
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 2
@@ -160,66 +162,6 @@ def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return predicate()
 
 
-def test_abort_frees_the_request(run, mp_engine) -> None:
-    total = mp_engine.stats().num_total_blocks
-    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=DELTA)
-
-    async def scenario() -> None:
-        gen = mp_engine.generate("cut", list(range(3, 40)), long)
-        await gen.__anext__()
-        deadline = time.monotonic() + 5
-        while mp_engine.stats().num_running != 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        assert mp_engine.stats().num_running == 1
-        assert mp_engine.stats().num_free_blocks < total
-        await gen.aclose()
-        other = mp_engine.generate("aborted", list(range(3, 40)), long)
-        await other.__anext__()
-        await mp_engine.abort("aborted")
-        await other.aclose()
-
-    run(scenario())
-
-    def load() -> tuple[int, int, int]:
-        stats = mp_engine.stats()
-        return stats.num_running, stats.num_waiting, stats.num_free_blocks
-
-    assert _wait(lambda: load() == (0, 0, total), 5.0), load()
-
-
-def test_stats_show_running_and_waiting(run, mp_engine) -> None:
-    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=DELTA)
-
-    async def scenario() -> tuple[int, int]:
-        gens = [mp_engine.generate(f"load-{i}", list(range(3, 20)), long) for i in range(3)]
-        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        deadline = time.monotonic() + 5
-        stats = mp_engine.stats()
-        while (stats.num_running, stats.num_waiting) != (2, 1) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-            stats = mp_engine.stats()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for gen in gens:
-            await gen.aclose()
-        return stats.num_running, stats.num_waiting
-
-    assert run(scenario()) == (MAX_NUM_SEQS, 1)
-    assert _wait(lambda: mp_engine.stats().num_running + mp_engine.stats().num_waiting == 0, 5)
-
-
-def test_set_borrowing_tiers_reaches_the_child(run, mp_engine) -> None:
-    mp_engine.set_borrowing_tiers(["guaranteed"])
-    assert _wait(lambda: mp_engine.stats().borrowing_tiers == ("guaranteed",), 5.0)
-    with pytest.raises(ValueError):
-        mp_engine.set_borrowing_tiers(["gold"])
-    mp_engine.set_borrowing_tiers(["best_effort", "guaranteed", "burstable"])
-    everyone = ("guaranteed", "burstable", "best_effort")
-    assert _wait(lambda: mp_engine.stats().borrowing_tiers == everyone, 5.0)
-
-
 def _error_of(fn: Callable[[], Any]) -> BaseException:
     try:
         fn()
@@ -241,41 +183,10 @@ def test_request_errors_equal_async_llm(run, thread_engine, mp_engine) -> None:
     assert type(got) is type(want) is InvalidParameterError
     assert (str(got), got.param) == (str(want), "prompt")
     assert mp_engine.is_healthy() and not mp_engine._processor.has_request("long")
-
-
-def test_expert_calls_and_prefill_chunks(run, thread_engine, mp_engine) -> None:
-    async def scenario() -> None:
-        stats = await mp_engine.expert_stats()
-        assert stats is not None and [layer.layer_id for layer in stats.layers] == [0, 1]
-        frozen = await mp_engine.freeze_expert(1, 3)
-        assert frozen.layers[1].frozen[3] and not any(frozen.layers[0].frozen)
-        thawed = await mp_engine.unfreeze_expert(1, 3)
-        assert not any(thawed.layers[1].frozen)
-        assert not any(mp_engine.stats().experts.layers[1].frozen)
-        with pytest.raises(InvalidParameterError) as info:
-            await mp_engine.freeze_expert(9, 0)
-        with pytest.raises(InvalidParameterError) as want:
-            await thread_engine.freeze_expert(9, 0)
-        assert (str(info.value), info.value.param) == (str(want.value), want.value.param)
-        params = SamplingParams(temperature=0, max_tokens=2)
-        await _collect(mp_engine, "chunked", list(range(100, 157)), params)
-        chunks = [c for c in await mp_engine.prefill_chunks() if c.request_id == "chunked"]
-        assert sum(c.num_tokens for c in chunks) == 57
-
-    run(scenario())
-
-
-def test_record_timeline_reaches_the_child(run, mp_engine) -> None:
-    params = SamplingParams(temperature=0, max_tokens=3)
-    mp_engine.record_timeline(True)
-    try:
-        outs = run(_collect(mp_engine, "timed", list(range(200, 227)), params))
-    finally:
-        mp_engine.record_timeline(False)
-    chunks = outs[-1].metrics.prefill_chunks
-    assert chunks is not None and sum(n for _, n in chunks) == 27
-    outs = run(_collect(mp_engine, "untimed", list(range(300, 327)), params))
-    assert outs[-1].metrics.prefill_chunks is None
+    want = _error_of(lambda: run(thread_engine.freeze_expert(9, 0)))
+    got = _error_of(lambda: run(mp_engine.freeze_expert(9, 0)))
+    assert type(got) is type(want) is InvalidParameterError
+    assert (str(got), got.param) == (str(want), want.param)
 
 
 def test_packed_errors_keep_class_message_and_param() -> None:
@@ -312,40 +223,7 @@ def test_killed_child_fails_in_flight_requests(model_dir) -> None:
         await eng.shutdown()
 
     asyncio.run(scenario())
-    assert eng._proc.exitcode == -signal.SIGKILL
-
-
-def test_loop_failure_in_the_child_fails_requests_with_its_error(model_dir) -> None:
-    eng = AsyncMPLLM(_config(model_dir))
-    long = SamplingParams(max_tokens=100, ignore_eos=True, output_kind=DELTA)
-
-    async def scenario() -> None:
-        gen = eng.generate("in-flight", list(range(3, 30)), long)
-        await gen.__anext__()
-        eng._send(("add", "bogus", [object()]))  # not a Request: the child's loop raises
-        with pytest.raises(EngineDeadError, match="AttributeError"):
-            async for _ in gen:
-                pass
-        assert isinstance(eng.dead_error, AttributeError) and not eng.is_healthy()
-        await eng.shutdown()
-
-    asyncio.run(scenario())
-    assert eng._proc.exitcode == 1
-
-
-def test_shutdown_stops_the_child(model_dir) -> None:
-    eng = AsyncMPLLM(_config(model_dir))
-    assert eng.is_healthy()
-
-    async def scenario() -> None:
-        out = await _collect(eng, "one", [3, 4, 5], SamplingParams(temperature=0, max_tokens=2))
-        assert len(out[-1].outputs[0].token_ids) == 2
-        await eng.shutdown()
-
-    asyncio.run(scenario())
-    assert eng._proc.exitcode == 0 and not eng.is_healthy() and not eng.errored
-    with pytest.raises(EngineDeadError):
-        asyncio.run(_collect(eng, "after", [3, 4], SamplingParams(max_tokens=2)))
+    assert eng.transport.exitcode == -signal.SIGKILL
 
 
 def test_startup_error_is_raised_by_the_constructor(model_dir) -> None:

@@ -1,13 +1,14 @@
-"""Engine health: a long step is not a hung loop; both front ends and the engine process."""
+"""Engine health: a long step is not a hung loop; the front end reads the loop's times, which
+the engine loop publishes (shared across processes in the engine process mode)."""
 
 from __future__ import annotations
 
 import multiprocessing
-import threading
+import types
 
-from sits.engine import engine_proc
-from sits.engine.async_mp import AsyncMPLLM
-from sits.engine.health import hung_loop_error
+from sits.engine import engine_loop
+from sits.engine.async_llm import AsyncLLM
+from sits.engine.health import LoopTimes, SharedLoopTimes, hung_loop_error
 
 
 def test_hung_loop_error_bounds_a_step_and_the_time_between_steps() -> None:
@@ -21,21 +22,22 @@ def test_hung_loop_error_bounds_a_step_and_the_time_between_steps() -> None:
     assert "has run for 60.0 s, over the step timeout of 60 s (--engine-step-timeout)" in str(error)
 
 
-def _parent(loop_times, heartbeat_s: float) -> AsyncMPLLM:
-    """An AsyncMPLLM's health side alone (no child process)."""
-    engine = object.__new__(AsyncMPLLM)
+def _parent(loop_times, heartbeat_s: float) -> AsyncLLM:
+    """An AsyncLLM's health side alone (no engine), its transport alive."""
+    engine = object.__new__(AsyncLLM)
     engine.errored = engine._stopping = False
     engine.dead_error = None
     engine.health_timeout_s, engine.step_timeout_s = 1.0, 30.0
     engine._heartbeat_s = heartbeat_s
-    engine._loop_times = loop_times
-    engine._reader = threading.current_thread()  # alive
+    engine.transport = types.SimpleNamespace(
+        alive=lambda: True, loop_times=SharedLoopTimes(loop_times)
+    )
     return engine
 
 
 def test_engine_process_health_reads_the_childs_loop_times(monkeypatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("sits.engine.async_mp.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sits.engine.async_llm.time.monotonic", lambda: clock[0])
     times = multiprocessing.get_context("spawn").Array("d", 2)
     engine = _parent(times, heartbeat_s=990.0)  # nothing received for 10 s...
     times[:] = (995.0, 995.0)  # ...but the child is 5 s into one step
@@ -52,10 +54,11 @@ def test_engine_process_health_reads_the_childs_loop_times(monkeypatch) -> None:
     assert "over the step timeout of 30 s" in str(engine.dead_error)
 
 
-def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> None:
+def test_engine_loop_publishes_its_step_and_turn_times(monkeypatch) -> None:
     clock = [50.0]
-    monkeypatch.setattr(engine_proc.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(engine_loop.time, "monotonic", lambda: clock[0])
     times = multiprocessing.get_context("spawn").Array("d", 2)
+    thread_times = LoopTimes()
     seen: list[tuple[float, float]] = []
 
     class Core:
@@ -70,13 +73,22 @@ def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> N
 
         def step(self, while_gpu_runs=None) -> tuple[list, bool]:
             seen.append(tuple(times[:]))  # what the parent sees during the step
+            seen.append(thread_times.read())  # ... and a front end in the same process
             clock[0] += 7.0  # a 7 s step
             proc.core.pending = 0
             proc.stopping = True
             return [], False
 
-    proc = object.__new__(engine_proc._EngineProc)
-    proc.core, proc.driver, proc.loop_times, proc.stopping = Core(), Driver(), times, False
+    proc = object.__new__(engine_loop.EngineLoop)
+    proc.core, proc.driver, proc.stopping = Core(), Driver(), False
+    shared = SharedLoopTimes(times)
+
+    class BothTimes:
+        def mark(self, step_started_s: float) -> None:
+            shared.mark(step_started_s)
+            thread_times.mark(step_started_s)
+
+    proc.loop_times = BothTimes()
     proc.pending = None
     proc.stats_time_s = 0.0
     proc.drain = lambda block: None
@@ -84,9 +96,9 @@ def test_engine_process_loop_publishes_its_step_and_turn_times(monkeypatch) -> N
     proc.profile = type(
         "Profile", (), {"mark": lambda s: None, "lap": lambda s, n: None, "maybe_log": lambda s: 0}
     )()
-    proc.run()
-    assert seen == [(50.0, 50.0)]  # inside the step: its start, and the loop's turn
-    assert times[:] == [0.0, 57.0]  # after it: no step, turned at its end
+    assert proc.run() is False  # stopped, not died
+    assert seen == [(50.0, 50.0)] * 2  # inside the step: its start, and the loop's turn
+    assert times[:] == [0.0, 57.0] and thread_times.read() == (0.0, 57.0)  # no step: its end
 
 
 def test_a_sub_second_step_timeout_shows_the_step_at_its_scale() -> None:

@@ -1,6 +1,6 @@
 """The pipes between the server process and the engine process never stall either side: the
 server's sends go through one writer thread (a full pipe cannot block the event loop), and the
-engine handles commands for at most `MAX_DRAIN_S` between two steps."""
+engine loop handles commands for at most `MAX_DRAIN_S` between two steps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import queue
 import threading
 import time
 
-import sits.engine.engine_proc as engine_proc
-from sits.engine.async_mp import AsyncMPLLM
+import sits.engine.engine_loop as engine_loop
+from sits.engine.messages import AddRequest, StatsUpdate
+from sits.engine.process_transport import ProcessTransport
 from tests.engine.fake_pipes import Inbox
 
 
@@ -18,82 +19,86 @@ class _BlockingConn:
 
     def __init__(self) -> None:
         self.release = threading.Event()
-        self.sent: list[tuple] = []
+        self.sent: list[object] = []
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: object) -> None:
         self.release.wait()
         self.sent.append(command)
 
 
+def _writer_side(conn: object) -> ProcessTransport:
+    """A `ProcessTransport`'s writer side alone (no child process)."""
+    transport = object.__new__(ProcessTransport)
+    transport._outbox = queue.SimpleQueue()
+    transport._cmd_conn = conn
+    return transport
+
+
 def test_sends_never_block_the_caller_and_keep_their_order() -> None:
-    engine = object.__new__(AsyncMPLLM)  # only the writer side: no child process
-    engine._outbox = queue.SimpleQueue()
-    engine._cmd_conn = conn = _BlockingConn()
-    writer = threading.Thread(target=engine._write_loop, daemon=True)
+    transport = _writer_side(conn := _BlockingConn())
+    writer = threading.Thread(target=transport._write_loop, daemon=True)
     writer.start()
     start = time.monotonic()
     for i in range(1000):
-        engine._send(("add", f"r{i}"))
+        transport.send(AddRequest(f"r{i}", ()))
     assert time.monotonic() - start < 5.0  # the writer is blocked; the caller never was
     assert conn.sent == []
     conn.release.set()
-    engine._outbox.put(None)
+    transport._outbox.put(None)
     writer.join(5.0)
     assert not writer.is_alive()
-    assert conn.sent == [("add", f"r{i}") for i in range(1000)]
+    assert conn.sent == [AddRequest(f"r{i}", ()) for i in range(1000)]
 
 
 def test_a_closed_pipe_ends_the_writer_quietly() -> None:
     class Closed:
-        def send(self, command: tuple) -> None:
+        def send(self, command: object) -> None:
             raise OSError("pipe closed")
 
-    engine = object.__new__(AsyncMPLLM)
-    engine._outbox = queue.SimpleQueue()
-    engine._cmd_conn = Closed()
-    engine._send(("add", "r0"))
-    engine._write_loop()  # returns instead of raising
+    transport = _writer_side(Closed())
+    transport.send(AddRequest("r0", ()))
+    transport._write_loop()  # returns instead of raising
 
 
 def test_drain_handles_commands_for_at_most_max_drain_s(monkeypatch) -> None:
-    assert 0 < engine_proc.MAX_DRAIN_S <= 0.1
+    assert 0 < engine_loop.MAX_DRAIN_S <= 0.1
     clock = [100.0]
-    monkeypatch.setattr(engine_proc.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(engine_proc, "MAX_DRAIN_S", 64 / 1024)  # binary fractions: exact sums
+    monkeypatch.setattr(engine_loop.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(engine_loop, "MAX_DRAIN_S", 64 / 1024)  # binary fractions: exact sums
 
     class Outbox:
         def __init__(self) -> None:
-            self.messages: list[tuple] = []
+            self.events: list[object] = []
 
-        def send(self, message: tuple) -> None:
-            self.messages.append(message)
+        def send(self, event: object) -> None:
+            self.events.append(event)
 
-    proc = object.__new__(engine_proc._EngineProc)
-    proc.cmd_conn = Inbox([("add", f"r{i}") for i in range(200)])
-    proc.out_conn = Outbox()
-    proc.stopping, proc.deferred = False, []
-    proc.core = type("Core", (), {"has_unfinished_requests": lambda self: True})()
-    handled: list[tuple] = []
+    loop = object.__new__(engine_loop.EngineLoop)
+    loop.commands = Inbox([AddRequest(f"r{i}", ()) for i in range(200)])
+    loop.events = Outbox()
+    loop.stopping, loop.deferred = False, []
+    loop.core = type("Core", (), {"has_unfinished_requests": lambda self: True})()
+    handled: list[object] = []
 
-    def handle(command: tuple) -> None:
+    def handle(command: object) -> None:
         handled.append(command)
         clock[0] += 1 / 1024  # each command takes ~1 ms
 
-    proc.handle = handle
+    loop.handle = handle
     timed: list[tuple[str, float]] = []
-    proc.profile = type("Profile", (), {"add": lambda self, *phase_s: timed.append(phase_s)})()
+    loop.profile = type("Profile", (), {"add": lambda self, *phase_s: timed.append(phase_s)})()
     forced: list[bool] = []
-    proc.snapshot = lambda force: forced.append(force) or "snapshot"
-    proc.drain(block=False)
+    loop.snapshot = lambda force: forced.append(force) or "snapshot"
+    loop.drain(block=False)
     assert len(handled) == 64  # stopped at the bound...
     assert timed == [("commands", 64 / 1024)]  # the loop profile got the drain's time
     # ...then steps; between busy steps no snapshot: the next step's end sends one.
-    assert proc.out_conn.messages == [] and forced == []
-    proc.drain(block=False)
+    assert loop.events.events == [] and forced == []
+    loop.drain(block=False)
     assert len(handled) == 2 * 64  # the rest waits for the next drain
-    assert handled == [("add", f"r{i}") for i in range(len(handled))]
-    proc.drain(block=True)  # after an idle wait: a fresh snapshot (the per-tenant scan too)
-    assert forced == [True] and proc.out_conn.messages == [("stats", "snapshot")]
-    proc.core = type("Core", (), {"has_unfinished_requests": lambda self: False})()
-    proc.drain(block=False)  # the commands left the engine idle: no step will refresh it
+    assert handled == [AddRequest(f"r{i}", ()) for i in range(len(handled))]
+    loop.drain(block=True)  # after an idle wait: a fresh snapshot (the per-tenant scan too)
+    assert forced == [True] and loop.events.events == [StatsUpdate("snapshot")]
+    loop.core = type("Core", (), {"has_unfinished_requests": lambda self: False})()
+    loop.drain(block=False)  # the commands left the engine idle: no step will refresh it
     assert forced == [True, True]

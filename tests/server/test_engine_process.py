@@ -85,7 +85,7 @@ def test_process_engine_serves_like_the_thread_engine(tiny_moe_dir, client, mode
             thawed = http.post("/v1/admin/experts/1/2/unfreeze").json()
             assert not any(thawed["layers"][1]["frozen"])
         engine = live.engine
-    assert engine._proc.exitcode == 0  # the server's shutdown stopped the child
+    assert engine.transport.exitcode == 0  # the server's shutdown stopped the child
 
 
 def test_killed_engine_process_fails_the_stream_and_health(tiny_moe_dir) -> None:

@@ -10,7 +10,7 @@ With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded
 model work; a malformed file exits 2 with the file, line and field named, and an API key
 besides is refused (keys belong to the tenants). Without it: one default tenant and plain
 FCFS scheduling. With `--engine-process` the engine's step loop runs in a child process
-(`sits.engine.async_mp.AsyncMPLLM`) instead of a thread beside the HTTP loop. The fleet flags
+(`AsyncLLM(engine_process=True)`) instead of a thread beside the HTTP loop. The fleet flags
 (`--register-with`, `--router-key`, `--fault-injection`, ...) are in `sits.cli.fleet_flags`.
 `--precision-policy overload` (with `--precision-red-seconds` / `--precision-green-seconds`)
 lets the overload state switch the weights of `--precision-switch`; without that flag it is
@@ -428,13 +428,12 @@ def run_serve(args: argparse.Namespace) -> int:
         kwargs["served_model_name"] = DEMO_MODEL_NAME
     try:
         from sits.engine.async_llm import AsyncLLM
-        from sits.engine.async_mp import AsyncMPLLM
         from sits.engine.builder import tenant_policies_of
 
         config = EngineConfig(**kwargs)
-        engine_class = AsyncMPLLM if args.engine_process else AsyncLLM
-        engine = engine_class(
+        engine = AsyncLLM(
             config,
+            engine_process=args.engine_process,
             step_timeout_s=args.engine_step_timeout,
             tenant_policies=tenant_policies_of(tenants),
             expert_freeze_after=args.expert_freeze_after,

@@ -1,146 +1,92 @@
 """`AsyncLLM`: the asyncio front end of the engine, used by the HTTP server.
 
-The `EngineCore` step loop runs in its own thread; the asyncio side tokenizes, detokenizes and
-delivers outputs to one queue per request, so HTTP work never runs on the step loop.
-Commands reach the engine thread through a thread-safe inbox; outputs come back with
-`loop.call_soon_threadsafe`. Invariants: every request that leaves `generate` unfinished
-(client gone, task cancelled) is aborted and its KV blocks freed at the next loop iteration;
-if the loop dies, every in-flight request gets `EngineDeadError` at once. The request side
-(`generate`, `abort`, delivering outputs) is `RequestFrontEnd`, shared with `AsyncMPLLM`
-(`sits.engine.async_mp`, the same API with the step loop in a child process).
+The engine loop (`sits.engine.engine_loop.EngineLoop`) runs either in a thread of this process
+(`sits.engine.thread_transport`, the default) or in a child process (`engine_process=True`,
+`sits.engine.process_transport`, `sits serve --engine-process`); the front end knows only a
+transport object (`send(command)`, `start`, `alive`, `stop`, `loop_times`) and the messages
+of `sits.engine.messages`. This side keeps the tokenizer and the `OutputProcessor`
+(detokenization), so HTTP work never runs on the step loop; events arrive on the transport's
+thread (the engine thread, or the process transport's reader) in `_on_event`, which keeps the
+newest stats snapshot (by `EngineStats.time_s`: a snapshot taken after commands can overtake
+an older step's) and posts outputs, failed adds and call results to the asyncio loop of the
+latest `generate` or call with `call_soon_threadsafe`. Outputs reach each request's queue a
+batch per event-loop iteration (`BatchedDelivery`).
 
-`stats()` is a snapshot the engine thread refreshes after each step and each batch of inbox
-commands; its queue and per-tenant part (an O(requests) scan) is refreshed at most every
-`driver.LOAD_STATS_PERIOD_S` while requests run, and always when the engine goes idle.
-`set_borrowing_tiers` reaches the scheduler through the inbox (overload control); while
-only work it defers waits (nothing running), the loop waits on the inbox instead of stepping.
+Invariants: every request that leaves `generate` unfinished (client gone, task cancelled) is
+aborted (`FinishRequests`) and its KV blocks freed at the next loop iteration; a request that
+can never run (prompt, limits: `EngineCore.add_request`) is refused by the loop and reaches
+`generate`'s caller before anything is yielded; when the loop dies (a failure, a killed child)
+every in-flight request and pending call gets `EngineDeadError` at once, `is_healthy()` turns
+False and `generate` raises `EngineDeadError`.
 
-MoE experts (`sits.runner.expert_health`): the engine thread copies the device-side expert
-counters to the host every `driver.EXPERT_STATS_PERIOD_STEPS` steps, when the engine goes idle
-and on request (`expert_stats`), into `EngineStats.experts`; `freeze_expert` / `unfreeze_expert` run
-on the engine thread between steps, so requests in flight continue. With spare expert slots
-(`EngineConfig.num_spare_experts`) or `restore_frozen_experts`, that periodic read also
-reloads each expert the health check froze from the checkpoint (into a spare slot when there
-is one) and unfreezes it (`ExpertMonitor.read` with `auto_restore`).
-
-Precision switch (`EngineConfig.precision_switch`): `set_precision` runs on the engine thread
-between steps like the expert operations; `precision_state()` reads the latest state (also
-in every `EngineStats` snapshot, which is how the engine process's parent knows it).
+Engine calls (`expert_stats`, `freeze_expert`, ..., `set_precision`, `prefill_chunks`) are
+named `EngineCall`s run by the loop between steps; their errors are rebuilt with their class
+and message. `stats()` and `precision_state()` read the newest snapshot, which the loop sends
+before each call's result (so a caller sees its call's effect). MoE experts: the loop reads
+the device-side expert counters every `driver.EXPERT_STATS_PERIOD_STEPS` steps, when it goes
+idle and on request, into `EngineStats.experts`; with spare expert slots or
+`restore_frozen_experts` that read also restores the experts the health check froze
+(`ExpertMonitor.read` with `auto_restore`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
+import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable
 from enum import Enum
+from typing import Any
 
 from sits.config import EngineConfig
-from sits.core.errors import EngineDeadError, SitsError
+from sits.core.errors import EngineDeadError, InvalidParameterError
+from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.precision import PrecisionState
-from sits.engine.builder import build_engine
-from sits.engine.core import EngineCore, WaitingLoad
+from sits.core.request import FinishReason
+from sits.core.sampling_params import SamplingParams
 from sits.engine.delivery import BatchedDelivery
-from sits.engine.driver import ALL_TIERS, EngineDriver, force_after_commands
-from sits.engine.front_end import RequestFrontEnd, parse_tiers
-from sits.engine.health import ENGINE_STEP_TIMEOUT_S
-from sits.engine.loop_profile import LoopProfile
+from sits.engine.engine_stats import EngineStats, parse_tiers
+from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
+from sits.engine.messages import (
+    AddFailed,
+    AddRequest,
+    CallResult,
+    Command,
+    EngineCall,
+    EngineDied,
+    Event,
+    FinishRequests,
+    Heartbeat,
+    RecordTimeline,
+    SetBorrowingTiers,
+    StatsUpdate,
+    StepOutputs,
+    unpack_error,
+)
 from sits.engine.output_processor import OutputProcessor
+from sits.engine.process_transport import ProcessTransport
+from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.engine.step_stats import PrefillChunk
-from sits.kvcache.host_pool import SwapStats
+from sits.engine.thread_transport import ThreadTransport
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
-from sits.sched.tenants import TenantSchedStats
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.2
+_STOP_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's load, taken by the engine thread after each step.
-
-    Attributes:
-        num_running: requests holding KV blocks.
-        num_waiting: requests queued (new or preempted).
-        kv_cache_usage: fraction of KV blocks in use, 0..1.
-        num_free_blocks, num_total_blocks: KV blocks free and in all.
-        num_preemptions: preemptions since start.
-        num_steps: engine steps since start.
-        tenants: per configured tenant id, its scheduler numbers (running, waiting, blocks
-            used / reserved / borrowed, ...); empty without configured tenants. Read-only.
-        waiting: per tenant id with queued work, its oldest waiting arrival and prefill tokens
-            still to compute (`EngineCore.waiting_load`). Read-only.
-        oldest_waiting_arrival_s: time.monotonic() arrival of the oldest waiting request, or
-            None when nothing waits (see `queue_delay_s`).
-        num_queued_prefill_tokens: prefill tokens still to compute, all tenants together.
-        num_prefill_tokens: prefill tokens computed since start.
-        prefill_busy_s: seconds of the steps that computed them, since start (the ratio of the
-            deltas of these two is a prefill rate in tokens per second).
-        borrowing_tiers: tier values whose tenants may currently borrow beyond their
-            reservation (`set_borrowing_tiers`; all three by default).
-        num_prefix_cache_query_tokens: prompt tokens looked up in the prefix cache since start
-            (the scheduler's `prefix_cache_stats.num_query_tokens`).
-        num_prefix_cache_hit_tokens: of those, tokens served from the cache since start.
-        swap: the host tier's swap and recompute counters since start (a copy).
-        num_host_blocks_used, num_host_blocks_total: host KV blocks (0 without a host tier).
-        experts: the MoE experts' load, health and frozen flags as last read (every few
-            steps, see the module docstring); None for a dense model.
-        busy_s: wall seconds of the steps that scheduled tokens, since start.
-        tenant_busy_s: tenant id -> its share of `busy_s` (each step split by scheduled
-            tokens; `StepStats.tenant_busy_s`). Read-only.
-        precision: the weight sets and the last precision switch (`EngineCore.precision_state`);
-            None only in the empty snapshot before the first.
-        time_s: time.monotonic() when the snapshot was taken.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    tenants: Mapping[str, TenantSchedStats] = field(default_factory=dict)
-    waiting: Mapping[str, WaitingLoad] = field(default_factory=dict)
-    oldest_waiting_arrival_s: float | None = None
-    num_queued_prefill_tokens: int = 0
-    num_prefill_tokens: int = 0
-    prefill_busy_s: float = 0.0
-    borrowing_tiers: tuple[str, ...] = ALL_TIERS
-    num_prefix_cache_query_tokens: int = 0
-    num_prefix_cache_hit_tokens: int = 0
-    swap: SwapStats = field(default_factory=SwapStats)
-    num_host_blocks_used: int = 0
-    num_host_blocks_total: int = 0
-    experts: ExpertStats | None = None
-    busy_s: float = 0.0
-    tenant_busy_s: Mapping[str, float] = field(default_factory=dict)
-    precision: PrecisionState | None = None
-    time_s: float = 0.0
-
-    def queue_delay_s(self, now_s: float) -> float:
-        """Seconds the oldest waiting request has waited at `now_s` (time.monotonic()); 0 when
-        nothing waits."""
-        if self.oldest_waiting_arrival_s is None:
-            return 0.0
-        return max(now_s - self.oldest_waiting_arrival_s, 0.0)
-
-
-class AsyncLLM(RequestFrontEnd):
-    """Asynchronous engine front end.
+class AsyncLLM:
+    """Asynchronous engine front end (see the module docstring).
 
     Args:
         config: engine configuration.
-        health_timeout_s: the engine counts as unhealthy when its loop has not turned for
-            this many seconds between steps (`hung_loop_error`).
+        engine_process: run the engine loop in a child process instead of a thread.
+        health_timeout_s: unhealthy when, between steps, the loop has neither sent anything
+            (outputs, stats, its idle heartbeat) nor turned for this many seconds
+            (`hung_loop_error`).
         step_timeout_s: ... or when one step has run this many seconds (a hung step; a long
             one, such as a big prompt chunk on a CPU, stays healthy until then).
         tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`);
@@ -148,72 +94,165 @@ class AsyncLLM(RequestFrontEnd):
         expert_freeze_after: consecutive anomalous (non-finite output) checks that freeze an
             MoE expert; 0 disables automatic freezing.
         restore_frozen_experts: reload an expert frozen by the health check from the
-            checkpoint and unfreeze it, when the engine thread next reads the expert stats
-            (the disk read runs on the engine thread, between steps). Always on with spare
-            expert slots (`config.num_spare_experts` > 0), which the reload then uses.
+            checkpoint and unfreeze it when the loop next reads the expert stats (the disk
+            read runs on the loop, between steps). Always on with spare expert slots
+            (`config.num_spare_experts` > 0), which the reload then uses.
+
+    Attributes:
+        engine_core: the `EngineCore` in thread mode (for recorders and tests); None with
+            `engine_process`.
+        transport: the `ThreadTransport` or `ProcessTransport`.
+        errored: the loop died (not by `shutdown`).
+        dead_error: why the engine is dead or hung, or None.
+
+    Raises:
+        SitsError (ModelNotFoundError, UnsupportedModelError, InvalidParameterError, ...):
+            building the engine failed (with `engine_process`: the child's class and message).
+        EngineDeadError: the engine process exited during startup without saying why.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         *,
+        engine_process: bool = False,
         health_timeout_s: float = 10.0,
         step_timeout_s: float = ENGINE_STEP_TIMEOUT_S,
         tenant_policies: tuple[TenantPolicy, ...] = (),
         expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
         restore_frozen_experts: bool = False,
     ) -> None:
-        parts = build_engine(config, tenant_policies)
+        kind = ProcessTransport if engine_process else ThreadTransport
+        transport = kind(
+            config, tuple(tenant_policies), expert_freeze_after, restore_frozen_experts
+        )
+        self.transport: ThreadTransport | ProcessTransport = transport
+        self.engine_core = getattr(transport, "core", None)
         self.config = config
-        self.engine_core = parts.core
-        self.tokenizer = parts.tokenizer
-        self.info = parts.info
-        self.max_model_len = parts.info.max_model_len
+        self.tokenizer = transport.tokenizer
+        self.info = transport.info
+        self.max_model_len = transport.info.max_model_len
         self.model_name = config.model_name
         self.health_timeout_s = health_timeout_s
         self.step_timeout_s = step_timeout_s
         self.errored = False
         self.dead_error: BaseException | None = None
+        self._stats: EngineStats = transport.stats
         self._processor = OutputProcessor(self.tokenizer)
         self._delivery = BatchedDelivery()
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._heartbeat_s = time.monotonic()
-        self._step_started_s: float | None = None
-        self._driver = EngineDriver(
-            parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
-        )
-        self._profile = LoopProfile(parts.core)
-        self._thread = threading.Thread(target=self._engine_loop, name="sits-engine", daemon=True)
-        self._thread.start()
+        transport.start(self._on_event, self._on_closed)
 
     # ---- public API ---------------------------------------------------------------------
-    # generate / abort: `RequestFrontEnd`.
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id; None in thread mode."""
+        return self.transport.pid
 
     def is_healthy(self) -> bool:
-        """True while the engine thread is alive and its loop keeps turning (a step within
-        `step_timeout_s`); a hung loop's reason becomes `dead_error`."""
-        if self.errored or self._stopping or not self._thread.is_alive():
+        """True while the engine loop is alive and keeps turning (a step within
+        `step_timeout_s`); cheap, never blocks. A hung loop's reason becomes `dead_error`."""
+        if self.errored or self._stopping or not self.transport.alive():
             return False
-        return self._loop_turning(self._heartbeat_s, self._step_started_s)
+        step_started_s, turned_s = self.transport.loop_times.read()
+        error = hung_loop_error(
+            time.monotonic(),
+            max(self._heartbeat_s, turned_s),
+            step_started_s or None,
+            self.health_timeout_s,
+            self.step_timeout_s,
+        )
+        if error is not None and self.dead_error is None:
+            self.dead_error = error
+        return error is None
 
     def stats(self) -> EngineStats:
-        """The latest load snapshot."""
-        return self._driver.stats
+        """The newest load snapshot the loop sent."""
+        return self._stats
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        tenant_id: str = "default",
+        priority: int = 0,
+        cache_salt: str | None = None,
+        start_deadline_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields RequestOutputs as `params.output_kind` says.
+
+        `start_deadline_s` (time.monotonic()): if the engine has not started it by then, it
+        ends with finish_reason "abort", stop_reason `START_DEADLINE_MISSED` and no tokens.
+
+        Raises:
+            InvalidParameterError, PromptTooLongError: before anything is yielded.
+            EngineDeadError: the engine loop is dead or hung (at once), or died meanwhile.
+        """
+        self._check_alive()
+        if self._processor.has_request(request_id):
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is in use")
+        children = make_engine_requests(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.info.eos_token_ids,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            tenant_id=tenant_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            start_deadline_s=start_deadline_s,
+        )
+        self._loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._processor.add_request(
+            request_id,
+            child_request_ids(request_id, params.n),
+            prompt,
+            list(prompt_token_ids),
+            params,
+            children[0].arrival_time,
+            sink,
+        )
+        self._send(AddRequest(request_id, tuple(children)))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are freed at the engine's next loop iteration."""
+        self._abort_now(request_id)
 
     def set_borrowing_tiers(self, tiers: Iterable[str | Enum]) -> None:
         """Let only tenants of `tiers` start work beyond their reservation (overload control).
 
         Args:
             tiers: tier values ("guaranteed", "burstable", "best_effort") or tier enums; all
-                three restore normal borrowing. Applied by the engine thread before its next
-                step; running requests are not touched. No effect without configured tenants.
+                three restore normal borrowing. Applied by the loop before its next step;
+                running requests are not touched. No effect without configured tenants.
 
         Raises:
             ValueError: an unknown tier.
         """
-        self._inbox.put(("borrowing", parse_tiers(tiers)))
+        self._send(SetBorrowingTiers(parse_tiers(tiers)))
 
     async def expert_stats(self) -> ExpertStats | None:
         """A fresh read of the MoE experts' counters (None for a dense model).
@@ -221,7 +260,7 @@ class AsyncLLM(RequestFrontEnd):
         Raises:
             EngineDeadError: the engine loop is dead or hung.
         """
-        return await self._call_on_engine(self._driver.read_experts)
+        return await self._call("expert_stats")
 
     async def freeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Mask expert `expert_id` of decoder layer `layer_id` in its router from the next step.
@@ -234,20 +273,20 @@ class AsyncLLM(RequestFrontEnd):
                 experts would be left.
             EngineDeadError: the engine loop is dead or hung.
         """
-        return await self._expert_operation("freeze", layer_id, expert_id)
+        return await self._call("freeze_expert", layer_id, expert_id)
 
     async def unfreeze_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Route to the expert again (see `freeze_expert`; same errors)."""
-        return await self._expert_operation("unfreeze", layer_id, expert_id)
+        return await self._call("unfreeze_expert", layer_id, expert_id)
 
     async def restore_expert(self, layer_id: int, expert_id: int) -> ExpertStats | None:
         """Reload the expert's weights from the checkpoint and unfreeze it (see
         `freeze_expert`; also UnsupportedModelError when the checkpoint lacks them)."""
-        return await self._expert_operation("restore", layer_id, expert_id)
+        return await self._call("restore_expert", layer_id, expert_id)
 
     async def set_precision(self, name: str) -> PrecisionState:
-        """Run weight set `name` from the next step on (applied by the engine thread between
-        steps; requests in flight continue on their KV).
+        """Run weight set `name` from the next step on (applied by the loop between steps;
+        requests in flight continue on their KV).
 
         Args:
             name: one of `precision_state().available` ("fp8" / "int4" or the model dtype's
@@ -261,178 +300,148 @@ class AsyncLLM(RequestFrontEnd):
             InvalidParameterError: no precision switch configured, or an unknown name.
             EngineDeadError: the engine loop is dead or hung.
         """
-        called_s = time.monotonic()
-        return await self._call_on_engine(lambda: self.engine_core.set_precision(name, called_s))
+        return await self._call("set_precision", name, time.monotonic())
 
     def precision_state(self) -> PrecisionState:
-        """The weight sets and the last switch, as the engine thread last left them."""
-        return self.engine_core.precision_state()
+        """The weight sets and the last switch, from the newest snapshot (sent before each
+        call's result, so a `set_precision` caller sees its switch)."""
+        state = self._stats.precision
+        assert state is not None, "every snapshot of a started engine carries it"
+        return state
 
     async def prefill_chunks(self) -> list[PrefillChunk]:
         """The latest prompt chunks the engine computed, oldest first (`StepStats.prefill_chunks`,
-        a bounded ring; copied on the engine thread between steps).
+        a bounded ring; copied by the loop between steps).
 
         Raises:
             EngineDeadError: the engine loop is dead or hung.
         """
-        return await self._call_on_engine(lambda: list(self.engine_core.stats.prefill_chunks))
+        return await self._call("prefill_chunks")
 
     def record_timeline(self, enabled: bool = True) -> None:
         """Stamp each request's prompt chunks and detokenization time on its
         `RequestMetrics` (`prefill_chunks`, `detokenize_s`), for tracing; off by default.
 
-        Chunks computed before the call are not reported.
+        Requests added after the call are stamped; chunks computed before it are not.
         """
-        self.engine_core.stats.record_request_chunks = enabled  # a flag the engine thread reads
+        self._send(RecordTimeline(enabled))
         self._processor.time_detokenize = enabled
 
     async def shutdown(self) -> None:
-        """Stop the engine thread; unfinished requests get EngineDeadError."""
+        """Stop the engine loop (an engine process is terminated after a timeout); unfinished
+        requests and pending calls get EngineDeadError."""
         self._stopping = True
-        self._inbox.put(("stop",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.transport.stop, _STOP_TIMEOUT_S)
+        self._on_dead(EngineDeadError("the engine was shut down"))
 
     # ---- asyncio side -------------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
-        self._inbox.put(command)
+    def _send(self, command: Command) -> None:
+        """Hand `command` to the loop (never blocks)."""
+        self.transport.send(command)
 
-    async def _call_on_engine(self, fn: Callable[[], object]) -> object:
-        """Run `fn()` on the engine thread between steps and return (or raise) its result."""
+    def _check_alive(self) -> None:
+        if not self.is_healthy():
+            reason = self.dead_error or "the engine loop is not responding"
+            raise EngineDeadError(f"engine is not available: {reason}")
+
+    async def _call(self, name: str, *args: object) -> Any:
+        """Run the loop's named call between steps and return (or raise) its result."""
         self._check_alive()
-        future: Future = Future()
-        self._inbox.put(("call", fn, future))
-        return await asyncio.wrap_future(future)
-
-    async def _expert_operation(
-        self, name: str, layer_id: int, expert_id: int
-    ) -> ExpertStats | None:
-        """`EngineDriver.expert_operation` on the engine thread between steps."""
-        return await self._call_on_engine(
-            lambda: self._driver.expert_operation(name, layer_id, expert_id)
-        )
-
-    # ---- engine thread ------------------------------------------------------------------
-
-    def _engine_loop(self) -> None:
-        core = self.engine_core
-        driver = self._driver
-        profile = self._profile
-        stalled = False
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        call_id = next(self._call_ids)
+        future = loop.create_future()
+        self._calls[call_id] = future
+        self._send(EngineCall(call_id, name, args))
         try:
-            while not self._stopping:
-                self._heartbeat_s = time.monotonic()
-                self._drain_inbox(block=stalled or not core.has_unfinished_requests())
-                if self._stopping or not core.has_unfinished_requests():
-                    continue
-                profile.mark()
-                self._step_started_s = time.monotonic()
-                outputs, stalled = driver.step()  # stalled: wait for a command, no spinning
-                # A turn, recorded before the step mark clears: is_healthy never sees the
-                # step's start gone with a turn older than the step.
-                self._heartbeat_s = time.monotonic()
-                self._step_started_s = None
-                profile.lap("step")
-                driver.snapshot(force=stalled or not core.has_unfinished_requests())
-                profile.lap("stats")
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _resolve(self, result: CallResult) -> None:
+        future = self._calls.pop(result.call_id, None)
+        if future is None or future.done():
+            return
+        if result.ok:
+            future.set_result(result.value)
+        else:
+            future.set_exception(unpack_error(result.value))
+
+    def _abort_now(self, request_id: str) -> None:
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._send(FinishRequests(tuple(open_ids), FinishReason.ABORT))
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        processed = self._processor.process(outputs)
+        for child_id, stop_str in processed.stop_requests:
+            self._send(FinishRequests((child_id,), FinishReason.STOP, stop_str))
+        self._delivery.put(processed.request_outputs)  # a batch per loop iteration
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        sink = self._processor.sink_of(request_id)
+        open_ids = self._processor.remove_request(request_id)
+        if open_ids:
+            self._send(FinishRequests(tuple(open_ids), FinishReason.ABORT))
+        if sink is not None:
+            self._delivery.flush()  # the outputs made before the error arrive before it
+            sink.put_nowait(error)
+
+    def _on_dead(self, error: BaseException) -> None:
+        for request_id in self._processor.request_ids():
+            self._fail_request(request_id, error)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # ---- the transport's thread ---------------------------------------------------------
+
+    def _post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)` on the asyncio loop of the latest `generate` or call; dropped when
+        there is none or it has closed (e.g. after `asyncio.run` returned: nobody awaits its
+        outputs), so a closed loop never kills the transport's thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _on_event(self, event: Event) -> None:
+        """Take one event from the loop (on the transport's thread)."""
+        self._heartbeat_s = time.monotonic()
+        match event:
+            case StepOutputs(outputs, stats):
+                self._take_stats(stats)
                 if outputs:
                     self._post(self._deliver, outputs)
-                profile.lap("send")
-                profile.maybe_log()
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
-            logger.exception("engine loop died")
-            self.dead_error = exc
-            self.errored = True
-            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
+            case StatsUpdate(stats):
+                self._take_stats(stats)
+            case AddFailed(request_id, error):
+                self._post(self._fail_request, request_id, unpack_error(error))
+            case CallResult():
+                self._post(self._resolve, event)
+            case Heartbeat():
+                pass
+            case EngineDied(error):
+                self.dead_error = unpack_error(error)
+            case _:
+                raise TypeError(f"not an engine event: {event!r}")
 
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
+    def _take_stats(self, stats: EngineStats | None) -> None:
+        """Keep `stats` unless it is older than the snapshot held (module docstring)."""
+        if stats is not None and stats.time_s >= self._stats.time_s:
+            self._stats = stats
+
+    def _on_closed(self, why: str) -> None:
+        """The loop's events ended (`why`: the thread or process exited): unless `shutdown`
+        asked for it, fail everything in flight."""
+        if self._stopping and self.dead_error is None:
             return
-        start_s = time.monotonic()
-        while True:
-            self._handle(command)
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        self._driver.snapshot(force=force_after_commands(block, self.engine_core))
-        self._profile.add("commands", time.monotonic() - start_s)
-
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, children = command
-            try:
-                for child in children:
-                    self.engine_core.add_request(child)
-            except SitsError as exc:  # a request that can never run; never kill the loop
-                self.engine_core.finish_requests([c.request_id for c in children])
-                self._post(self._fail_request, request_id, exc)
-        elif kind == "finish":
-            _, ids, reason, stop_reason = command
-            self.engine_core.finish_requests(ids, reason, stop_reason)
-        elif kind == "borrowing":
-            self._driver.set_borrowing_tiers(command[1])
-        elif kind == "call":
-            _, fn, future = command
-            try:
-                future.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, never kills the loop
-                future.set_exception(exc)
-        elif kind == "stop":
-            self._stopping = True
-
-
-def snapshot_stats(
-    core: EngineCore,
-    previous: EngineStats,
-    *,
-    refresh_load: bool,
-    borrowing_tiers: tuple[str, ...],
-    experts: ExpertStats | None,
-    now_s: float,
-) -> EngineStats:
-    """A fresh `EngineStats` of `core` (call on the engine's thread, between steps).
-
-    Args:
-        previous: the last snapshot; its `tenants` and `waiting` maps are kept unless
-            `refresh_load` (that scan is O(requests)).
-        borrowing_tiers, experts: copied into the snapshot as they are.
-        now_s: time.monotonic() of the snapshot.
-    """
-    sched = core.scheduler
-    tenants, waiting = previous.tenants, previous.waiting
-    if refresh_load:
-        tenants = core.tenant_stats()
-        waiting = core.waiting_load()
-    arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
-    prefix_cache = sched.prefix_cache_stats
-    return EngineStats(
-        num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
-        kv_cache_usage=sched.kv_usage,
-        num_free_blocks=sched.num_free_blocks,
-        num_total_blocks=sched.num_total_blocks,
-        num_preemptions=sched.num_preemptions,
-        num_steps=core.stats.num_steps,
-        tenants=tenants,
-        waiting=waiting,
-        oldest_waiting_arrival_s=min(arrivals, default=None),
-        num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
-        num_prefill_tokens=core.stats.num_prefill_tokens,
-        prefill_busy_s=core.stats.prefill_busy_s,
-        borrowing_tiers=borrowing_tiers,
-        num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
-        num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
-        swap=dataclasses.replace(sched.swap_stats),
-        num_host_blocks_used=sched.host.num_used_blocks,
-        num_host_blocks_total=sched.config.num_host_blocks,
-        experts=experts,
-        busy_s=core.stats.busy_s,
-        tenant_busy_s=dict(core.stats.tenant_busy_s),
-        precision=core.precision_state(),
-        time_s=now_s,
-    )
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError(why)
+        self.errored = True
+        logger.error("engine loop died: %s", self.dead_error)
+        self._post(self._on_dead, EngineDeadError(f"the engine loop died: {self.dead_error!r}"))

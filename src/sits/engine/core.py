@@ -1,8 +1,9 @@
 """`EngineCore`: the engine's front door: add requests, abort them, run a step.
 
-It is synchronous and single-threaded: `LLM` calls `step()` directly and `AsyncLLM` calls it
-from its own engine thread. Messages in and out are plain dataclasses (`Request` in,
-`EngineCoreOutput` out), so the core can later move into its own process.
+It is synchronous and single-threaded: `LLM` calls `step()` directly and `AsyncLLM`'s
+`EngineLoop` calls it on the loop's thread (in the server process or a child process).
+Messages in and out are plain dataclasses (`Request` in, `EngineCoreOutput` out), which the
+engine process transport pickles.
 
 What a step does lives elsewhere, one concern per module: the per-step scheduling policy
 (start deadlines, TPOT pacing, TTFT rescue, reclaim) in `sits.sched.step_policy`, the step's

@@ -1,23 +1,27 @@
-"""The engine process writes a step's outputs while the device runs the next step's forward
-(`EngineCore.step(while_gpu_runs)`), and writes them at once when no step follows."""
+"""The engine loop (both transports) writes a step's outputs while the device runs the next
+step's forward (`EngineCore.step(while_gpu_runs)`), and writes them at once when no step
+follows; new requests join during the forward, other commands after the step."""
 
 from __future__ import annotations
 
 import types
 
-import sits.engine.engine_proc as engine_proc
 from sits import LLM
 from sits.core.sampling_params import SamplingParams
-from sits.engine.async_llm import EngineStats
-from sits.engine.async_mp import AsyncMPLLM
+from sits.engine.async_llm import AsyncLLM
+from sits.engine.engine_loop import EngineLoop
+from sits.engine.engine_stats import EngineStats
+from sits.engine.messages import AddRequest, EngineCall, FinishRequests, StatsUpdate, StepOutputs
 from sits.engine.requests import make_engine_requests
 from tests.engine.fake_pipes import Inbox
 
+_NO_TIMES = types.SimpleNamespace(mark=lambda step_started_s: None)
 
-def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc._EngineProc:
-    """An `_EngineProc` around a fake driver: step k "launches" its forward, runs the
+
+def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> EngineLoop:
+    """An `EngineLoop` around a fake driver: step k "launches" its forward, runs the
     callback only when k is in `device_steps`, then "syncs"; idle after `num_steps`."""
-    proc = object.__new__(engine_proc._EngineProc)
+    proc = object.__new__(EngineLoop)
     state = types.SimpleNamespace(step=0)
 
     class Core:
@@ -38,16 +42,16 @@ def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> engine_proc
             return [f"out{state.step}"], False
 
     class Conn:
-        def send(self, message: tuple) -> None:
-            log.append(f"sent {message[1][0]}")
+        def send(self, event: StepOutputs) -> None:
+            log.append(f"sent {event.outputs[0]}")
 
     def drain(block: bool) -> None:
         if block:  # idle: the test's end
             proc.stopping = True
 
-    proc.core, proc.driver, proc.out_conn = Core(), Driver(), Conn()
-    proc.cmd_conn = Inbox([])
-    proc.loop_times, proc.pending, proc.stopping = None, None, False
+    proc.core, proc.driver, proc.events = Core(), Driver(), Conn()
+    proc.commands = Inbox([])
+    proc.loop_times, proc.pending, proc.stopping = _NO_TIMES, None, False
     proc.deferred, proc.took_adds = [], False
     proc.stats_time_s = 0.0
     proc.drain = drain
@@ -80,13 +84,13 @@ def test_a_step_without_a_device_phase_writes_the_one_before_after_it() -> None:
     ]  # fmt: skip
 
 
-def test_the_parent_keeps_the_newest_stats_snapshot() -> None:
-    engine = object.__new__(AsyncMPLLM)
+def test_the_front_end_keeps_the_newest_stats_snapshot() -> None:
+    engine = object.__new__(AsyncLLM)
     engine._stats = EngineStats(num_waiting=5, time_s=10.0)
-    engine._dispatch(("stats", EngineStats(num_waiting=7, time_s=12.0)))
-    engine._dispatch(("step", [], EngineStats(num_waiting=6, time_s=11.0)))  # overtaken
+    engine._on_event(StatsUpdate(EngineStats(num_waiting=7, time_s=12.0)))
+    engine._on_event(StepOutputs([], EngineStats(num_waiting=6, time_s=11.0)))  # overtaken
     assert engine._stats.num_waiting == 7
-    engine._dispatch(("step", [], EngineStats(num_waiting=8, time_s=13.0)))
+    engine._on_event(StepOutputs([], EngineStats(num_waiting=8, time_s=13.0)))
     assert engine._stats.num_waiting == 8
 
 
@@ -115,28 +119,39 @@ def test_core_step_runs_the_host_work_once_after_the_forward(tiny_model_factory)
     assert order == ["forward", "host"] * 3
 
 
-def _inbox_proc(commands: list[tuple], handled: list[str]) -> engine_proc._EngineProc:
-    """An `_EngineProc` with the real `while_gpu_runs` and `drain` over an inbox of commands;
-    `handle` records each command's kind and first argument."""
-    proc = object.__new__(engine_proc._EngineProc)
-    proc.cmd_conn = Inbox(commands)
-    proc.out_conn = types.SimpleNamespace(send=lambda message: handled.append(message[0]))
+_NAMES = {AddRequest: "add", FinishRequests: "finish", EngineCall: "call"}
+
+
+def _kind(command: object) -> str:
+    """A command's short name and first field, e.g. "add a" for `AddRequest("a", ())`."""
+    first = getattr(command, command.__match_args__[0])
+    return f"{_NAMES[type(command)]} {first[0] if isinstance(first, tuple) else first}"
+
+
+def _inbox_proc(commands: list[object], handled: list[str]) -> EngineLoop:
+    """An `EngineLoop` with the real `while_gpu_runs` and `drain` over an inbox of commands;
+    `handle` records each command's kind and first field."""
+    proc = object.__new__(EngineLoop)
+    proc.commands = Inbox(commands)
+    proc.events = types.SimpleNamespace(send=lambda event: handled.append(type(event).__name__))
     proc.pending, proc.stopping, proc.deferred, proc.took_adds = None, False, [], False
     proc.core = types.SimpleNamespace(has_unfinished_requests=lambda: True)
     proc.snapshot = lambda force: None
     proc.profile = types.SimpleNamespace(add=lambda name, seconds: None)
-    proc.handle = lambda command: handled.append(f"{command[0]} {command[1]}")
+    proc.handle = lambda command: handled.append(_kind(command))
     return proc
 
 
 def test_new_requests_are_taken_during_the_forward_and_other_commands_after_the_step() -> None:
     handled: list[str] = []
-    commands = [("add", "a"), ("add", "b"), ("finish", "a"), ("add", "c"), ("call", 1)]
+    add = [AddRequest(request_id, ()) for request_id in "abc"]
+    finish, call = FinishRequests(("a",)), EngineCall(1, "expert_stats")
+    commands = [add[0], add[1], finish, add[2], call]
     proc = _inbox_proc(commands, handled)
     proc.while_gpu_runs()
     # The abort frees blocks the running step may write: it and all after it wait.
     assert handled == ["add a", "add b"] and proc.took_adds
-    assert proc.deferred == [("finish", "a")] and commands == [("add", "c"), ("call", 1)]
+    assert proc.deferred == [finish] and commands == [add[2], call]
     proc.while_gpu_runs()  # a later forward before the drain takes nothing past the wait
     assert handled == ["add a", "add b"]
     proc.drain(block=False)
@@ -147,8 +162,8 @@ def test_new_requests_are_taken_during_the_forward_and_other_commands_after_the_
 def test_a_stalled_step_that_took_new_requests_steps_again_without_waiting() -> None:
     log: list[str] = []
     proc = _proc(log, num_steps=2, device_steps={1, 2})
-    proc.cmd_conn = Inbox([("add", "x")])
-    proc.handle = lambda command: log.append(f"handle {command[1]}")
+    proc.commands = Inbox([AddRequest("x", ())])
+    proc.handle = lambda command: log.append(f"handle {command.request_id}")
     waits: list[bool] = []
 
     def drain(block: bool) -> None:
