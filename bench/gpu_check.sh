@@ -71,6 +71,10 @@
 #   quant    issue-25 end-to-end figures, each quantized run beside bf16 in the same call:
 #            qwen3-30b-a3b FP8 / INT4 batch 1 and batch 10 latency, 256 x 512/128 offline, and
 #            llama-3.1-8b FP8 weights + fp8 KV 1000 x 1000/1000 (QUANT_SKIP_LLAMA=1 skips it)
+#   quant_decode  issue-25 FP8 decode: the fused FP8 MoE's tests and micro-benchmark (both
+#            modes, 1-64 tokens), the FP8 GEMM tuner at M = 1 for the qwen3 shapes (per-row
+#            scales; its entries merged into the shipped JSONs, also copied to $OUT_DIR), then
+#            qwen3-30b-a3b FP8 batch 1 / batch 10 latency and 256 x 512/128 offline (~7 min)
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -365,6 +369,34 @@ if has quant; then
       --kv-cache-dtype fp8 --input-len 1000 --output-len 1000 --num-prompts 1000 \
       --max-num-seqs 1024 ${TARGET_FLAGS:-} --output-json "$OUT_DIR/quant_llama_fp8.json"
   fi
+fi
+if has quant_decode; then
+  run quant_decode_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+    -m "gpu or not gpu" tests/kernels/test_moe_fp8_triton.py tests/kernels/test_moe_fp8_triton_gpu.py
+  run moe_fp8_bench_decode python3 bench/kernels/moe_fp8_bench.py --scales channel \
+    --token-counts 1,10,16,32,64,256
+  run fp8_tune_m1 timeout 150 python3 bench/kernels/fp8_gemm_tune.py --tokens 1 \
+    --shapes qwen3_30b_qkv,qwen3_30b_o --scales channel --out-dir "$OUT_DIR/fp8_m1"
+  python3 - "$OUT_DIR/fp8_m1" <<'PY'
+import json, pathlib, sys
+for new in pathlib.Path(sys.argv[1]).glob("*.json"):
+    shipped = pathlib.Path("src/sits/kernels/configs") / new.name
+    entries = json.loads(shipped.read_text()) if shipped.exists() else {}
+    entries.update(json.loads(new.read_text()))
+    shipped.write_text(json.dumps(entries, indent=1) + "\n")
+    print("merged", new.name, json.loads(new.read_text()))
+PY
+  for q in fp8; do
+    run "qd_qwen3_b1_$q" sits bench latency --random-weights qwen3-30b-a3b --quantization "$q" \
+      --batch-size 1 --input-len 512 --output-len 256 --num-iters 3 --num-iters-warmup 1 \
+      --output-json "$OUT_DIR/qd_qwen3_b1_$q.json"
+    run "qd_qwen3_b10_$q" sits bench latency --random-weights qwen3-30b-a3b --quantization "$q" \
+      --batch-size 10 --input-len 2048 --output-len 1024 --num-iters 1 --num-iters-warmup 1 \
+      --output-json "$OUT_DIR/qd_qwen3_b10_$q.json"
+    run "qd_qwen3_offline_$q" sits bench throughput --random-weights qwen3-30b-a3b \
+      --quantization "$q" --input-len 512 --output-len 128 --num-prompts 256 \
+      --max-num-batched-tokens 8192 --output-json "$OUT_DIR/qd_qwen3_offline_$q.json"
+  done
 fi
 # precision: the issue-25 switch under load (sits bench precision-switch, ~2 min each with the
 # start): 128 x 256/1024 through AsyncLLM, 20 switches bf16 <-> fp8 (then int4) every 40

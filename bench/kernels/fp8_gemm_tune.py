@@ -37,7 +37,8 @@ BLOCK = (128, 128)
 
 def candidates(num_rows: int, scales: str = "block") -> list[dict]:
     """Tile shapes worth timing at M = num_rows (as the JSON entries of a tuned file); per-row
-    scales also try K tiles of 256 (no 128-wide scale block to stay inside)."""
+    scales also try K tiles of 256 (and 512 at M <= 16: no 128-wide scale block to stay
+    inside)."""
     if num_rows <= 16:
         block_ms = [16]
     elif num_rows <= 64:
@@ -47,11 +48,15 @@ def candidates(num_rows: int, scales: str = "block") -> list[dict]:
     else:
         block_ms = [64, 128]
     block_ks = (128,) if scales == "block" else (128, 256)
+    block_ns, warps = (32, 64, 128, 256), (4, 8)
+    if num_rows <= 16:  # weight-bound: narrow tiles give more programs, small ones fewer warps
+        block_ns, warps = (16, 32, 64, 128), (2, 4)
+        block_ks = (128,) if scales == "block" else (128, 256, 512)
     out = []
     for block_m in block_ms:
-        for block_n in (32, 64, 128, 256):
+        for block_n in block_ns:
             for block_k in block_ks:
-                for num_warps in (4, 8):
+                for num_warps in warps:
                     for num_stages in (3, 4, 5):
                         if block_m * block_n * block_k >= 128 * 256 * 128 and num_stages > 3:
                             continue  # shared memory
