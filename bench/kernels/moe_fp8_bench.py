@@ -1,4 +1,4 @@
-"""Micro-benchmark: the fused FP8 MoE (`TritonMoe.experts_fp8`) vs the bf16 fused MoE.
+"""Micro-benchmark: the fused FP8 MoE (`TritonMoe.experts_fp8`, W8A8) vs the bf16 fused MoE.
 
 For the Qwen3-30B-A3B shape (E=128, H=2048, I=768, top-8) at 1, 10, 64, 256 and 2048 tokens
 with random softmax top-k routing, it prints the exact command, the machine, then a markdown
@@ -6,8 +6,6 @@ table (ready for bench/RESULTS.md): the FP8 call's time for one layer's experts 
 quantization, alignment, both FP8 GEMMs, the intermediate's quantization, the top-k sum and
 the non-finite check), the bytes of its touched experts' fp8 weights over that time, the
 bf16 call (`TritonMoe.experts`, the peer, same run) on the dequantized weights, the speed-up,
-the mode `experts_fp8` ran and the W8A8 call's time at the same count (both modes are timed
-where W8A16 runs: the threshold `moe_fp8_triton.W8A16_MAX_TOKENS` is read off this column),
 the launch configs, and the FP8 result's error relative to the bf16 one (the activations'
 FP8 rounding: both see the same weight values).
 
@@ -38,7 +36,7 @@ from moe_tune import (
 )
 from timing import machine_line
 
-TOKEN_COUNTS = [1, 10, 16, 32, 64, 256, 2048]
+TOKEN_COUNTS = [1, 10, 64, 256, 2048]
 BLOCK = (128, 128)
 
 
@@ -61,7 +59,6 @@ def quantized_copies(shape: Shape, num_copies: int, scales: str, device: str) ->
 def bench_token_count(shape: Shape, copies: list, count: int, args) -> str:
     """One table row for `count` tokens."""
     from sits.kernels.fp8_ref import FP8_DTYPE
-    from sits.kernels.moe_fp8_triton import fused_moe_fp8, moe_fp8_mode
     from sits.kernels.moe_triton import TritonMoe
 
     device = args.device
@@ -77,31 +74,21 @@ def bench_token_count(shape: Shape, copies: list, count: int, args) -> str:
         for (w13, s13, w2, s2), _ in used:
             backend.experts_fp8(hidden, w13, s13, w2, s2, block, topk_weights, topk_ids, flags)
 
-    fp8_config = backend.launch_config(hidden, copies[0][0][2], shape.top_k, FP8_DTYPE)
-
-    def w8a8_call() -> None:
-        for (w13, s13, w2, s2), _ in used:
-            fused_moe_fp8(
-                hidden, w13, s13, w2, s2, block, topk_weights, topk_ids, fp8_config, flags, "w8a8"
-            )
-
     def bf16_call() -> None:
         for _, (w13, w2) in used:
             backend.experts(hidden, w13, w2, topk_weights, topk_ids, flags)
 
     fp8_us = graph_time_us(fp8_call, len(used), device)
     bf16_us = graph_time_us(bf16_call, len(used), device)
-    mode = moe_fp8_mode(count)
-    w8a8_us = fp8_us if mode == "w8a8" else graph_time_us(w8a8_call, len(used), device)
     (w13, s13, w2, s2), (d13, d2) = used[0]
     out = backend.experts_fp8(hidden, w13, s13, w2, s2, block, topk_weights, topk_ids).double()
     ref = backend.experts(hidden, d13, d2, topk_weights, topk_ids).double()
     error = float((out - ref).norm() / ref.norm())
+    fp8_config = backend.launch_config(hidden, w2, shape.top_k, FP8_DTYPE)
     bf16_config = backend.launch_config(hidden, d2, shape.top_k)
     return (
         f"| {count} | {num_touched} | {fp8_bytes / 1e6:.1f} | {fp8_us:.1f} "
         f"| {fp8_bytes / fp8_us / 1e6:.2f} | {bf16_us:.1f} | {bf16_us / fp8_us:.2f}x "
-        f"| {mode} | {w8a8_us:.1f} "
         f"| {fp8_config.block_m}/{fp8_config.gemm1.block_n}x{fp8_config.gemm1.block_k} "
         f"| {bf16_config.block_m}/{bf16_config.gemm1.block_n}x{bf16_config.gemm1.block_k} "
         f"| {error:.1e} |"
@@ -143,9 +130,9 @@ def main(argv: list[str]) -> None:
     )
     print(
         "| tokens | experts | fp8 MB touched | fp8 us | fp8 TB/s | bf16 us | speed-up "
-        "| mode | w8a8 us | fp8 BLOCK_M/N x K | bf16 BLOCK_M/N x K | rel. err vs bf16 |"
+        "| fp8 BLOCK_M/N x K | bf16 BLOCK_M/N x K | rel. err vs bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for count in (int(c) for c in args.token_counts.split(",")):
         print(bench_token_count(shape, copies, count, args), flush=True)
 

@@ -288,9 +288,9 @@ def time_gemm(sweep: Sweep, kind: str, block_m: int, gemm) -> float:
 
 def check_config(sweep: Sweep, config) -> float:
     """Relative error of the fused call with config vs moe_forward on copy 0 (fp8 shape:
-    fused_moe_fp8 vs the reference of the mode it runs at this token count)."""
-    from sits.kernels.moe_fp8_triton import fused_moe_fp8, moe_fp8_mode
-    from sits.kernels.moe_ref import moe_forward, moe_forward_fp8, moe_forward_fp8_w8a8_reference
+    fused_moe_fp8 vs moe_forward_fp8_w8a8_reference)."""
+    from sits.kernels.moe_fp8_triton import fused_moe_fp8, moe_forward_fp8_w8a8_reference
+    from sits.kernels.moe_ref import moe_forward
     from sits.kernels.moe_triton import fused_moe
 
     routing = (sweep.topk_weights, sweep.topk_ids)
@@ -298,9 +298,7 @@ def check_config(sweep: Sweep, config) -> float:
         w13, s13, w2, s2 = sweep.weights[0]
         args = (sweep.hidden, w13, s13, w2, s2, FP8_BLOCK, *routing)
         out = fused_moe_fp8(*args, config).double()
-        w8a8 = moe_fp8_mode(sweep.hidden.shape[0]) == "w8a8"
-        reference = moe_forward_fp8_w8a8_reference if w8a8 else moe_forward_fp8
-        expected = reference(*args).double()
+        expected = moe_forward_fp8_w8a8_reference(*args).double()
     else:
         w13, w2 = sweep.weights[0]
         out = fused_moe(sweep.hidden, w13, w2, *routing, config).double()

@@ -1,13 +1,11 @@
 """Fused FP8 MoE (`fused_moe_fp8`, `TritonMoe.experts_fp8`) vs its references, both scale
 layouts (block and per-row), in Triton's CPU interpreter (or compiled, on a GPU machine).
 
-Two references: `moe_forward_fp8_w8a8_reference` quantizes the activations as the "w8a8"
-kernels do, so they equal it up to float32 summation order (relative error < 1e-5 in float32;
-measured ~3e-7); `moe_ref.moe_forward_fp8` keeps the activations unquantized, as the "w8a16"
-kernels do (equal up to summation order likewise), so it differs from W8A8 by the FP8 rounding
-of hidden and of the intermediate (3 mantissa bits: measured 3-5% relative, bound 8e-2).
-Steps of up to `W8A16_MAX_TOKENS` tokens run W8A16 unless a mode is given.
-Block (32, 32) scales give tiny shapes several activation groups
+Two references: `moe_forward_fp8_w8a8_reference` quantizes the activations as the kernels do,
+so the kernels equal it up to float32 summation order (relative error < 1e-5 in float32;
+measured ~3e-7); `moe_ref.moe_forward_fp8` keeps the activations unquantized, so the two
+differ by the FP8 rounding of hidden and of the intermediate (3 mantissa bits: measured
+3-5% relative, bound 8e-2). Block (32, 32) scales give tiny shapes several activation groups
 and weight scale blocks, ragged H (80) a partial last one; BLOCK_K 32 (fp8 tensor cores need
 K >= 32 when compiled).
 """
@@ -32,15 +30,10 @@ from sits.kernels.moe_config import (  # noqa: E402
     device_name_of,
 )
 from sits.kernels.moe_fp8_triton import (  # noqa: E402
-    W8A16_MAX_TOKENS,
     fused_moe_fp8,
-    moe_fp8_mode,
-)
-from sits.kernels.moe_ref import (  # noqa: E402
-    moe_forward_fp8,
     moe_forward_fp8_w8a8_reference,
-    select_experts,
 )
+from sits.kernels.moe_ref import moe_forward_fp8, select_experts  # noqa: E402
 from sits.kernels.moe_triton import TritonMoe  # noqa: E402
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
 
@@ -70,21 +63,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
-def assert_matches_references(out, x, q13, s13, q2, s2, block, weights, ids, mode=None) -> None:
-    """`out` equals the reference of its mode (by x's token count unless given) and is near
-    the other one."""
+def assert_matches_references(out, x, q13, s13, q2, s2, block, weights, ids) -> None:
     assert out.shape == x.shape and out.dtype == x.dtype
-    w8a8 = moe_forward_fp8_w8a8_reference(x, q13, s13, q2, s2, block, weights, ids)
-    weight_only = moe_forward_fp8(x, q13, s13, q2, s2, block, weights, ids)
-    if (mode or moe_fp8_mode(x.shape[0])) == "w8a8":
-        assert relative_error(out, w8a8) < TIGHT
-        assert relative_error(out, weight_only) < LOOSE
-    else:
-        assert relative_error(out, weight_only) < TIGHT
-        assert relative_error(out, w8a8) < LOOSE
+    tight = moe_forward_fp8_w8a8_reference(x, q13, s13, q2, s2, block, weights, ids)
+    assert relative_error(out, tight) < TIGHT
+    assert relative_error(out, moe_forward_fp8(x, q13, s13, q2, s2, block, weights, ids)) < LOOSE
 
 
-@pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
 @pytest.mark.parametrize(
     ("num_tokens", "num_experts", "top_k", "hidden", "inter", "config"),
@@ -96,22 +81,14 @@ def assert_matches_references(out, x, q13, s13, q2, s2, block, weights, ids, mod
     ],
 )
 def test_fused_moe_fp8_matches_references(
-    mode, block, num_tokens, num_experts, top_k, hidden, inter, config
+    block, num_tokens, num_experts, top_k, hidden, inter, config
 ) -> None:
     inputs = make_inputs(num_tokens, num_experts, top_k, hidden, inter, block, seed=3)
     x, q13, s13, q2, s2, weights, ids = inputs
     flags = torch.zeros(num_experts, dtype=torch.bool, device=DEVICE)
-    out = fused_moe_fp8(x, q13, s13, q2, s2, block, weights, ids, config, flags, mode)
-    assert_matches_references(out, x, q13, s13, q2, s2, block, weights, ids, mode)
+    out = fused_moe_fp8(x, q13, s13, q2, s2, block, weights, ids, config, flags)
+    assert_matches_references(out, x, q13, s13, q2, s2, block, weights, ids)
     assert not flags.any()
-
-
-def test_the_mode_follows_the_token_count_and_unknown_modes_are_refused() -> None:
-    assert moe_fp8_mode(1) == moe_fp8_mode(W8A16_MAX_TOKENS) == "w8a16"
-    assert moe_fp8_mode(W8A16_MAX_TOKENS + 1) == "w8a8"
-    x, q13, s13, q2, s2, weights, ids = make_inputs(3, 4, 2, 64, 32, BLOCK, seed=6)
-    with pytest.raises(ValueError, match="w4a4"):
-        fused_moe_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids, SMALL, mode="w4a4")
 
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
@@ -134,15 +111,11 @@ def test_padding_tokens_get_zero_rows(block) -> None:
 def test_float16_activations() -> None:
     x, q13, s13, q2, s2, weights, ids = make_inputs(9, 8, 2, 64, 64, BLOCK, seed=4)
     x = x.half()
-    weight_only = moe_forward_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids)
-    out = fused_moe_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids, SMALL, mode="w8a8")
+    out = fused_moe_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids, SMALL)
     assert out.dtype == torch.float16
     tight = moe_forward_fp8_w8a8_reference(x, q13, s13, q2, s2, BLOCK, weights, ids)
     assert relative_error(out, tight) < 2e-3  # fp16 roundings of the intermediate may flip
-    assert relative_error(out, weight_only) < LOOSE
-    out = fused_moe_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids, SMALL, mode="w8a16")
-    assert out.dtype == torch.float16
-    assert relative_error(out, weight_only) < 2e-3  # the reference's fp16 weights and matmul
+    assert relative_error(out, moe_forward_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids)) < LOOSE
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

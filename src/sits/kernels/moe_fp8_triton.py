@@ -1,14 +1,8 @@
-"""`fused_moe_fp8`: the fused MoE over FP8 experts on FP8 tensor cores (sm_89+), two modes.
+"""`fused_moe_fp8`: the fused MoE over FP8 experts, W8A8 on FP8 tensor cores (sm_89+).
 
-- "w8a8" (more than `W8A16_MAX_TOKENS` tokens): activations quantized to FP8 too, computed as
-  `moe_ref.moe_forward_fp8_w8a8_reference`. The steps below.
-- "w8a16" (decode-sized steps, bound by the expert bytes): activations stay in the model
-  dtype, each fp8 weight tile is widened to it in the kernel (exact), so steps 1 and 4 are not
-  launched (at one token on the H200 they cost 8 us of a 27 us layer); the reference is
-  `moe_ref.moe_forward_fp8` (weights dequantized, activations not quantized).
-
-The W8A8 call runs the launches of `moe_triton.fused_moe` plus two quantizations, none sized by
-a device value:
+Twin of `moe_ref.moe_forward_fp8` (weights dequantized, activations not quantized), computed
+as `moe_forward_fp8_w8a8_reference` here (activations quantized the same way). One call runs
+the launches of `moe_triton.fused_moe` plus two quantizations, none sized by a device value:
 1. `fp8_gemm_triton.triton_quant_fp8_group`: hidden [T, H] -> fp8 with float32 scales per
    token and activation group: bk columns for block-scaled weights (block = (bn, bk)), all H
    columns (one scale per token) for per-row (per-channel) weights.
@@ -46,13 +40,14 @@ layout, both as vLLM's fused_moe applies them to fp8_w8a8 experts.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from sits.core.errors import InvalidParameterError
 from sits.kernels.fp8_gemm_triton import scale_to_fp8, triton_quant_fp8_group
-from sits.kernels.fp8_ref import FP8_DTYPE, FP8_MAX
+from sits.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8_block
 from sits.kernels.moe_align import (
     ExpertAlignment,
     align_pairs_to_experts,
@@ -64,23 +59,6 @@ from sits.kernels.moe_triton import _block_rows, _tile_of, launch_topk_sum
 from sits.kernels.triton_utils import cdiv, kernels_interpreted, next_power_of_2
 
 QUANT_TILE_ELEMENTS = 4096  # elements of the intermediate per quantization program
-W8A16_MAX_TOKENS = 32  # up to this many tokens the experts run weight-only ("w8a16")
-
-
-def moe_fp8_mode(num_tokens: int) -> str:
-    """The mode of a step of `num_tokens` tokens: "w8a16" (decode-sized: the expert bytes bound
-    the time, no activation quantization is launched) or "w8a8" (the FP8 tensor cores)."""
-    return "w8a16" if num_tokens <= W8A16_MAX_TOKENS else "w8a8"
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_IEEE: tl.constexpr):
-    """acc + a @ b; DOT_IEEE: float32 operands multiplied in full precision (not TF32)."""
-    if DOT_IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
@@ -116,12 +94,8 @@ def moe_fp8_gemm1_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     ONE_PAIR_PER_BLOCK: tl.constexpr,
-    A_FP8: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
 ):
-    """Program (row block, column block): inter = SiLU(x @ w1^T) * (x @ w3^T). A_FP8: q is
-    the fp8 hidden with its scales; else q is hidden itself (model dtype, no scales read) and
-    the weight tiles are widened to its dtype."""
+    """Program (row block, column block): inter = SiLU(x @ w1^T) * (x @ w3^T), fp8 operands."""
     pid_m, pid_n = _tile_of(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N), GROUP_M)
     rows, pairs, expert = _block_rows(
         pid_m, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M,
@@ -159,33 +133,23 @@ def moe_fp8_gemm1_kernel(
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             gate = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             up = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if not A_FP8:  # exact: every e4m3 value is a bfloat16 / float16 / float32 value
-            gate = gate.to(a.dtype)
-            up = up.to(a.dtype)
         if BLOCK_SCALES:
+            a_scale = tl.load(a_scale_ptrs + k0 // GROUP_K)[:, None]  # [BLOCK_M, 1]
             k_block = (k0 // SCALE_BLOCK_K) * stride_s_col
             g_scale = tl.load(gs_ptrs + k_block)[None, :]  # [1, BLOCK_N]
             u_scale = tl.load(us_ptrs + k_block)[None, :]
-            if A_FP8:
-                a_scale = tl.load(a_scale_ptrs + k0 // GROUP_K)[:, None]  # [BLOCK_M, 1]
-                g_scale = a_scale * g_scale
-                u_scale = a_scale * u_scale
-            zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_gate += _dot(a, gate, zero, DOT_IEEE) * g_scale
-            acc_up += _dot(a, up, zero, DOT_IEEE) * u_scale
+            acc_gate += tl.dot(a, gate) * (a_scale * g_scale)
+            acc_up += tl.dot(a, up) * (a_scale * u_scale)
         else:
-            acc_gate = _dot(a, gate, acc_gate, DOT_IEEE)
-            acc_up = _dot(a, up, acc_up, DOT_IEEE)
+            acc_gate = tl.dot(a, gate, acc_gate)
+            acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if not BLOCK_SCALES and A_FP8:  # one scale per token and per weight row
+    if not BLOCK_SCALES:  # one scale per token and per weight row
         a_scale = tl.load(a_scale_ptrs)[:, None]  # [BLOCK_M, 1]
         acc_gate *= a_scale * tl.load(gs_ptrs)[None, :]
         acc_up *= a_scale * tl.load(us_ptrs)[None, :]
-    elif not BLOCK_SCALES:  # one scale per weight row
-        acc_gate *= tl.load(gs_ptrs)[None, :]
-        acc_up *= tl.load(us_ptrs)[None, :]
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BLOCK_M, BLOCK_N] float32
     i_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_i_row + cols[None, :]
     mask = (pairs < num_pairs)[:, None] & (cols < inter_size)[None, :]
@@ -277,11 +241,8 @@ def moe_fp8_gemm2_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     ONE_PAIR_PER_BLOCK: tl.constexpr,
-    A_FP8: tl.constexpr,
-    DOT_IEEE: tl.constexpr,
 ):
-    """Program (row block, column block): expert output = inter @ w2^T, stored per pair. A_FP8:
-    q is the fp8 intermediate with its scales; else the intermediate itself (as GEMM1)."""
+    """Program (row block, column block): expert output = inter @ w2^T (fp8), stored per pair."""
     pid_m, pid_n = _tile_of(tl.program_id(0), max_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
     rows, pairs, expert = _block_rows(
         pid_m, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M,
@@ -312,21 +273,16 @@ def moe_fp8_gemm2_kernel(
             k_ok = ks < inter_size - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if not A_FP8:
-            b = b.to(a.dtype)
         if BLOCK_SCALES:
+            a_scale = tl.load(a_scale_ptrs + k0 // GROUP_K)[:, None]  # [BLOCK_M, 1]
             b_scale = tl.load(s_ptrs + (k0 // SCALE_BLOCK_K) * stride_s_col)[None, :]
-            if A_FP8:
-                b_scale = tl.load(a_scale_ptrs + k0 // GROUP_K)[:, None] * b_scale
-            acc += _dot(a, b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_IEEE) * b_scale
+            acc += tl.dot(a, b) * (a_scale * b_scale)
         else:
-            acc = _dot(a, b, acc, DOT_IEEE)
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if not BLOCK_SCALES and A_FP8:
+    if not BLOCK_SCALES:
         acc *= tl.load(a_scale_ptrs)[:, None] * tl.load(s_ptrs)[None, :]
-    elif not BLOCK_SCALES:
-        acc *= tl.load(s_ptrs)[None, :]
     o_ptrs = pair_out_ptr + pairs.to(tl.int64)[:, None] * stride_o_pair + cols[None, :]
     mask = (pairs < num_pairs)[:, None] & (cols < hidden_size)[None, :]
     tl.store(o_ptrs, acc.to(pair_out_ptr.dtype.element_ty), mask=mask)
@@ -364,7 +320,7 @@ def _check_block_k(gemm: GemmConfig, block: tuple[int, int] | None) -> None:
 
 def launch_fp8_gemm1(
     q: Tensor,
-    q_scale: Tensor | None,
+    q_scale: Tensor,
     w13: Tensor,
     w13_scale: Tensor,
     block: tuple[int, int] | None,
@@ -375,8 +331,7 @@ def launch_fp8_gemm1(
 ) -> None:
     """GEMM1 into `inter` [max_padded_rows, I] (hidden's dtype; only the pairs' rows written).
 
-    W8A8: q [T, H] fp8 with q_scale [T, ceil(H / bk)] (block) or [T, 1] (per row) float32.
-    W8A16: q is hidden [T, H] itself and q_scale None."""
+    q [T, H] fp8 with q_scale [T, ceil(H / bk)] (block) or [T, 1] (per row) float32."""
     inter_size, hidden_size = w13.shape[1] // 2, w13.shape[2]
     stride_se, stride_sr, stride_sc = _scale_strides(
         w13_scale, 2 * inter_size, hidden_size, block, "w13_scale"
@@ -384,12 +339,10 @@ def launch_fp8_gemm1(
     _check_block_k(gemm, block)
     max_blocks = alignment.max_num_blocks
     grid = (max_blocks * cdiv(inter_size, gemm.block_n),)
-    a_fp8 = q_scale is not None
     moe_fp8_gemm1_kernel[grid](
-        q, q_scale if a_fp8 else w13_scale, w13, w13_scale, inter, alignment.sorted_pair_ids,
-        alignment.block_expert_ids, alignment.num_padded_rows, alignment.num_pairs, top_k,
-        inter_size, hidden_size, max_blocks, q.stride(0), q_scale.stride(0) if a_fp8 else 0,
-        w13.stride(0), w13.stride(1),
+        q, q_scale, w13, w13_scale, inter, alignment.sorted_pair_ids, alignment.block_expert_ids,
+        alignment.num_padded_rows, alignment.num_pairs, top_k, inter_size, hidden_size,
+        max_blocks, q.stride(0), q_scale.stride(0), w13.stride(0), w13.stride(1),
         stride_se, stride_sr, stride_sc, inter.stride(0),
         GROUP_K=block[1] if block is not None else hidden_size,
         SCALE_BLOCK_N=block[0] if block is not None else 1,
@@ -401,8 +354,6 @@ def launch_fp8_gemm1(
         GROUP_M=gemm.group_m,
         EVEN_K=hidden_size % gemm.block_k == 0,
         ONE_PAIR_PER_BLOCK=alignment.one_pair_per_block,
-        A_FP8=a_fp8,
-        DOT_IEEE=q.dtype == torch.float32,
         num_warps=gemm.num_warps,
         num_stages=gemm.num_stages,
     )  # fmt: skip
@@ -437,7 +388,7 @@ def launch_quant_inter(
 
 def launch_fp8_gemm2(
     q: Tensor,
-    q_scale: Tensor | None,
+    q_scale: Tensor,
     w2: Tensor,
     w2_scale: Tensor,
     block: tuple[int, int] | None,
@@ -445,8 +396,7 @@ def launch_fp8_gemm2(
     alignment: ExpertAlignment,
     gemm: GemmConfig,
 ) -> None:
-    """GEMM2 of the fp8 intermediate (`launch_quant_inter`) into `pair_out` [num_pairs, H];
-    W8A16: q is the intermediate itself and q_scale None."""
+    """GEMM2 of the fp8 intermediate (`launch_quant_inter`) into `pair_out` [num_pairs, H]."""
     hidden_size, inter_size = w2.shape[1], w2.shape[2]
     stride_se, stride_sr, stride_sc = _scale_strides(
         w2_scale, hidden_size, inter_size, block, "w2_scale"
@@ -454,12 +404,10 @@ def launch_fp8_gemm2(
     _check_block_k(gemm, block)
     max_blocks = alignment.max_num_blocks
     grid = (max_blocks * cdiv(hidden_size, gemm.block_n),)
-    a_fp8 = q_scale is not None
     moe_fp8_gemm2_kernel[grid](
-        q, q_scale if a_fp8 else w2_scale, w2, w2_scale, pair_out, alignment.sorted_pair_ids,
+        q, q_scale, w2, w2_scale, pair_out, alignment.sorted_pair_ids,
         alignment.block_expert_ids, alignment.num_padded_rows, alignment.num_pairs, hidden_size,
-        inter_size, max_blocks, q.stride(0), q_scale.stride(0) if a_fp8 else 0, w2.stride(0),
-        w2.stride(1),
+        inter_size, max_blocks, q.stride(0), q_scale.stride(0), w2.stride(0), w2.stride(1),
         stride_se, stride_sr, stride_sc, pair_out.stride(0),
         GROUP_K=block[1] if block is not None else inter_size,
         SCALE_BLOCK_N=block[0] if block is not None else 1,
@@ -471,8 +419,6 @@ def launch_fp8_gemm2(
         GROUP_M=gemm.group_m,
         EVEN_K=inter_size % gemm.block_k == 0,
         ONE_PAIR_PER_BLOCK=alignment.one_pair_per_block,
-        A_FP8=a_fp8,
-        DOT_IEEE=q.dtype == torch.float32,
         num_warps=gemm.num_warps,
         num_stages=gemm.num_stages,
     )  # fmt: skip
@@ -489,9 +435,8 @@ def fused_moe_fp8(
     topk_ids: Tensor,
     config: MoeLaunchConfig,
     nonfinite_experts: Tensor | None = None,
-    mode: str | None = None,
 ) -> Tensor:
-    """Weighted sum of each token's top-k FP8 experts (see the module docstring).
+    """Weighted sum of each token's top-k FP8 experts, W8A8 (see the module docstring).
 
     Args:
         hidden: [T, H] bf16/fp16/fp32.
@@ -506,7 +451,6 @@ def fused_moe_fp8(
         config: launch shapes (`moe_config`, dtype fp8_w8a8); with `block`, both GEMMs'
             BLOCK_K must divide bk.
         nonfinite_experts: optional [E] bool, set in place on the device (`moe_triton`).
-        mode: "w8a16", "w8a8", or None for `moe_fp8_mode(T)`.
 
     Returns:
         [T, H] in hidden's dtype.
@@ -514,11 +458,7 @@ def fused_moe_fp8(
     Raises:
         InvalidParameterError: scales of another shape than `block` implies, or a BLOCK_K
             that does not divide bk.
-        ValueError: an unknown mode.
     """
-    mode = mode or moe_fp8_mode(hidden.shape[0])
-    if mode not in ("w8a16", "w8a8"):
-        raise ValueError(f"unknown FP8 MoE mode {mode!r} (w8a16 or w8a8)")
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     inter_size = w2.shape[2]
@@ -537,11 +477,7 @@ def fused_moe_fp8(
     _scale_strides(w2_scale, hidden_size, inter_size, block, "w2_scale")  # any launch
     _check_block_k(config.gemm1, block)
     _check_block_k(config.gemm2, block)
-    w8a8 = mode == "w8a8"
-    if w8a8:
-        q, q_scale = triton_quant_fp8_group(hidden, block[1] if block is not None else hidden_size)
-    else:
-        q, q_scale = hidden, None
+    q, q_scale = triton_quant_fp8_group(hidden, block[1] if block is not None else hidden_size)
     if num_tokens == 1:  # k distinct experts: a block per pair, no alignment launch
         alignment = pair_blocks(topk_ids, config.block_m)
     else:
@@ -549,11 +485,52 @@ def fused_moe_fp8(
     num_rows = max_padded_rows(alignment.num_pairs, num_experts, config.block_m)
     inter = hidden.new_empty(num_rows, inter_size)  # [max_padded_rows, I]
     launch_fp8_gemm1(q, q_scale, w13, w13_scale, block, inter, alignment, top_k, config.gemm1)
-    q_inter, inter_scale = inter, None
-    if w8a8:
-        group = block[1] if block is not None else inter_size
-        q_inter, inter_scale = launch_quant_inter(inter, alignment, group)
+    q_inter, inter_scale = launch_quant_inter(
+        inter, alignment, block[1] if block is not None else inter_size
+    )
     pair_out = hidden.new_empty(alignment.num_pairs, hidden_size)  # [T * k, H]
     launch_fp8_gemm2(q_inter, inter_scale, w2, w2_scale, block, pair_out, alignment, config.gemm2)
     launch_topk_sum(pair_out, topk_weights, topk_ids, hidden, out, nonfinite_experts)
     return out
+
+
+def _quantize_dequantize(x: Tensor, group_size: int) -> Tensor:
+    """x [M, K] through fp8 per row and group_size-wide group, back to float32."""
+    q, scale = quantize_fp8_block(x, (1, group_size))
+    return dequantize_fp8(q, scale, (1, group_size), torch.float32)
+
+
+def moe_forward_fp8_w8a8_reference(
+    hidden: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    block: tuple[int, int] | None,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+) -> Tensor:
+    """What `fused_moe_fp8` computes, in plain PyTorch (reads expert ids back to the host).
+
+    Activations are quantized as the kernels do (hidden per token and bk group, or per
+    token; the intermediate SiLU(gate) * up, rounded to hidden's dtype, likewise), both
+    operands dequantized to float32 and multiplied in float32; each expert output is rounded
+    to hidden's dtype, then weighted and summed in float32. Args as `fused_moe_fp8`.
+
+    Returns:
+        [T, H] in hidden's dtype.
+    """
+    hidden_size, inter_size = w2.shape[1], w2.shape[2]
+    x = _quantize_dequantize(hidden, block[1] if block is not None else hidden_size)  # [T, H]
+    output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token_idx, choice_idx = torch.nonzero(topk_ids == expert, as_tuple=True)  # [n] each
+        w13_e = dequantize_fp8(w13[expert], w13_scale[expert], block, torch.float32)
+        w2_e = dequantize_fp8(w2[expert], w2_scale[expert], block, torch.float32)
+        gate, up = (x[token_idx] @ w13_e.T).chunk(2, dim=-1)  # [n, I] each
+        inter = (F.silu(gate) * up).to(hidden.dtype)
+        inter = _quantize_dequantize(inter, block[1] if block is not None else inter_size)
+        expert_out = (inter @ w2_e.T).to(hidden.dtype)  # [n, H]
+        weights = topk_weights[token_idx, choice_idx].float()[:, None]  # [n, 1]
+        output.index_add_(0, token_idx, expert_out.float() * weights)
+    return output.to(hidden.dtype)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sits.kernels.fp8_ref import dequantize_fp8, quantize_fp8_block
+from sits.kernels.fp8_ref import dequantize_fp8
 from sits.kernels.int4_ref import dequantize_int4
 
 
@@ -272,46 +272,3 @@ class TorchMoe:
         return moe_forward_int4(
             hidden, w13, w2, group_size, topk_weights, topk_ids, nonfinite_experts
         )
-
-
-def _quantize_dequantize(x: Tensor, group_size: int) -> Tensor:
-    """x [M, K] through fp8 per row and group_size-wide group, back to float32."""
-    q, scale = quantize_fp8_block(x, (1, group_size))
-    return dequantize_fp8(q, scale, (1, group_size), torch.float32)
-
-
-def moe_forward_fp8_w8a8_reference(
-    hidden: Tensor,
-    w13: Tensor,
-    w13_scale: Tensor,
-    w2: Tensor,
-    w2_scale: Tensor,
-    block: tuple[int, int] | None,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-) -> Tensor:
-    """What `moe_fp8_triton.fused_moe_fp8` computes in its "w8a8" mode, in plain PyTorch
-    (reads expert ids back to the host).
-
-    Activations are quantized as the kernels do (hidden per token and bk group, or per
-    token; the intermediate SiLU(gate) * up, rounded to hidden's dtype, likewise), both
-    operands dequantized to float32 and multiplied in float32; each expert output is rounded
-    to hidden's dtype, then weighted and summed in float32. Args as `fused_moe_fp8`.
-
-    Returns:
-        [T, H] in hidden's dtype.
-    """
-    hidden_size, inter_size = w2.shape[1], w2.shape[2]
-    x = _quantize_dequantize(hidden, block[1] if block is not None else hidden_size)  # [T, H]
-    output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
-        token_idx, choice_idx = torch.nonzero(topk_ids == expert, as_tuple=True)  # [n] each
-        w13_e = dequantize_fp8(w13[expert], w13_scale[expert], block, torch.float32)
-        w2_e = dequantize_fp8(w2[expert], w2_scale[expert], block, torch.float32)
-        gate, up = (x[token_idx] @ w13_e.T).chunk(2, dim=-1)  # [n, I] each
-        inter = (F.silu(gate) * up).to(hidden.dtype)
-        inter = _quantize_dequantize(inter, block[1] if block is not None else inter_size)
-        expert_out = (inter @ w2_e.T).to(hidden.dtype)  # [n, H]
-        weights = topk_weights[token_idx, choice_idx].float()[:, None]  # [n, 1]
-        output.index_add_(0, token_idx, expert_out.float() * weights)
-    return output.to(hidden.dtype)
