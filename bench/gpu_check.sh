@@ -71,8 +71,8 @@
 #   quant    issue-25 end-to-end figures, each quantized run beside bf16 in the same call:
 #            qwen3-30b-a3b FP8 / INT4 batch 1 and batch 10 latency, 256 x 512/128 offline, and
 #            llama-3.1-8b FP8 weights + fp8 KV 1000 x 1000/1000 (QUANT_SKIP_LLAMA=1 skips it)
-#   quant_decode  issue-25 FP8 decode: the fused FP8 MoE's tests and micro-benchmark (both
-#            modes, 1-64 tokens), the FP8 GEMM tuner at M = 1 for the qwen3 shapes (per-row
+#   quant_decode  issue-25 FP8 decode: the fused FP8 MoE's tests and micro-benchmark
+#            (1-256 tokens), the FP8 GEMM tuner at M = 1 for the qwen3 shapes (per-row
 #            scales; its entries merged into the shipped JSONs, also copied to $OUT_DIR), then
 #            qwen3-30b-a3b FP8 batch 1 / batch 10 latency and 256 x 512/128 offline (~7 min)
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
