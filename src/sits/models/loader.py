@@ -291,20 +291,22 @@ def _online_fp8_pairs(
 ) -> Iterator[tuple[str, Tensor]]:
     """Online FP8: each weight bound for an FP8 parameter becomes (name, FP8 values) and
     (name + "_scale", per-row scales), the pairs of a per-channel checkpoint. The weight is
-    cast to the model dtype first, as vLLM quantizes what it loaded: a float32 checkpoint
-    served in bf16 quantizes its bf16 values, exactly what the precision switch's twin
-    (`layers.quant.fill`) quantizes on the device."""
+    cast to the model dtype and moved to the model's device first, as vLLM quantizes what it
+    loaded: a float32 checkpoint served in bf16 quantizes its bf16 values, on the device,
+    exactly as the precision switch's twin (`layers.quant.fill`) does (INT4's clip search
+    sums in another order on a GPU than on the CPU, so the place matters too)."""
     from sits.kernels.fp8_ref import FP8_DTYPE, quantize_fp8_per_row
 
     params = dict(model.named_parameters())
-    dtype = model.model.embed_tokens.weight.dtype
+    embed = model.model.embed_tokens.weight  # the model's dtype and device
     for name, tensor in pairs:
         target = None if _is_skipped(model, name) else _target_of(model, name, params)
         quantized = target is not None and params[target.param_name].dtype == FP8_DTYPE
         if not quantized or tensor.dtype == FP8_DTYPE or not name.endswith(".weight"):
             yield name, tensor
             continue
-        values, scale = quantize_fp8_per_row(tensor.to(dtype))  # [N, K] fp8, [N] float32
+        weight = tensor.to(embed.device, embed.dtype)
+        values, scale = quantize_fp8_per_row(weight)  # [N, K] fp8, [N] float32
         yield name, values
         yield f"{name}_scale", scale
 
@@ -319,7 +321,7 @@ def _online_int4_pairs(
     from sits.kernels.int4_ref import quantize_int4
 
     params = dict(model.named_parameters())
-    dtype = model.model.embed_tokens.weight.dtype
+    embed = model.model.embed_tokens.weight  # the model's dtype and device
     quant = model_quant_config(model)
     assert quant is not None and quant.group_size is not None
     for name, tensor in pairs:
@@ -331,7 +333,7 @@ def _online_int4_pairs(
             yield name, tensor
             continue
         # [N, K / 8] int32 and [N, K / G] float32
-        packed, scale = quantize_int4(tensor.to(dtype), quant.group_size)
+        packed, scale = quantize_int4(tensor.to(embed.device, embed.dtype), quant.group_size)
         yield packed_name, packed
         yield f"{module}.weight_scale", scale
         yield f"{module}.weight_shape", torch.tensor(tuple(tensor.shape))
