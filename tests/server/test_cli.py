@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,7 +173,58 @@ def test_a_refused_engine_flag_is_named_as_argparse_names_its_own(capsys) -> Non
     from sits.cli.serve import run_serve
 
     model = str(Path(demo.__file__).parent / "demo_model")  # the checkpoint sits ships
-    argv = ["--model", model, "--tpot-pacing-min-prefill-tokens", "-1"]
+    argv = ["--model", model, "--tpot-pacing-min-prefill-tokens", "-1", "--port", "0"]
     assert run_serve(_parse(argv)) == 2
     err = capsys.readouterr().err
     assert "error: argument --tpot-pacing-min-prefill-tokens: tpot_pacing_min_prefill_tokens" in err
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port something listens on (as a server that runs already)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(busy_port, monkeypatch, capsys) -> None:
+    """A nonexistent model would fail too: the port's error must come first, and no engine is
+    built (uvicorn's Errno 98 only after a long load was the bug)."""
+    from sits.cli.serve import run_serve
+    from sits.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", lambda *a, **k: pytest.fail("engine built"))
+    monkeypatch.setattr(demo, "ensure_demo_model", lambda: pytest.fail("the model was loaded"))
+    for model in (["--model", "/does/not/exist"], []):
+        assert run_serve(_parse([*model, "--port", str(busy_port)])) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"error: port {busy_port} on 127.0.0.1 is in use: stop what listens there or choose "
+            "another --port\n"
+        )
+
+
+def test_a_free_port_passes_the_check_and_stays_free() -> None:
+    from sits.cli.serve import check_port_free
+
+    port = free_port()
+    check_port_free("127.0.0.1", port)
+    with socket.socket() as sock:  # released: a server can listen there now
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        with pytest.raises(InvalidParameterError, match=f"port {port} on 127.0.0.1 is in use") as e:
+            check_port_free("127.0.0.1", port)
+        assert e.value.param == "port"
+    with pytest.raises(InvalidParameterError, match="cannot resolve host 'no-such-host.invalid'"):
+        check_port_free("no-such-host.invalid", port)
+
+
+def test_sits_serve_on_a_busy_port_exits_2_with_the_reason(busy_port) -> None:
+    cmd = [sys.executable, "-m", "sits.cli.main", "serve", "--model", "/does/not/exist"]
+    proc = subprocess.run(
+        [*cmd, "--port", str(busy_port)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert f"error: port {busy_port} on 127.0.0.1 is in use" in proc.stderr
+    assert "does/not/exist" not in proc.stderr  # no model work was tried

@@ -14,14 +14,17 @@ FCFS scheduling. With `--engine-process` the engine's step loop runs in a child 
 (`--register-with`, `--router-key`, `--fault-injection`, ...) are in `sits.cli.fleet_flags`.
 `--precision-policy overload` (with `--precision-red-seconds` / `--precision-green-seconds`)
 lets the overload state switch the weights of `--precision-switch`; without that flag it is
-refused before the model loads (exit 2).
+refused before the model loads (exit 2). So is a busy `--host`/`--port` (`check_port_free`):
+the port is tried before any model work, not after a long load.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
+import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -267,6 +270,40 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind `port` on every address `host` resolves to, as uvicorn's asyncio server will
+    (SO_REUSEADDR; IPv6 sockets IPv6-only; an address family the machine lacks is skipped),
+    and release it at once: a busy port is then refused before the model loads.
+
+    Raises:
+        InvalidParameterError: the port is in use ("port"), or `host` does not resolve or
+            cannot be bound ("host").
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidParameterError("host", f"cannot resolve host {host!r}: {exc}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:  # asyncio skips such a family too
+                    continue
+                if exc.errno == errno.EADDRINUSE:
+                    raise InvalidParameterError(
+                        "port",
+                        f"port {port} on {host} is in use: stop what listens there or choose "
+                        "another --port",
+                    ) from None
+                raise InvalidParameterError(
+                    "host", f"cannot bind port {port} on {host}: {exc.strerror}"
+                ) from None
+
+
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     """--api-key, else $SITS_API_KEY, else None (an empty value means no key)."""
     key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
@@ -378,7 +415,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     Returns:
         The process exit code: 0 after a SIGTERM drain, 1 after engine death, 2 for a bad
-        model, tenants file or configuration.
+        model, tenants file or configuration, or a port in use.
     """
     from sits.config import EngineConfig
     from sits.core.errors import SitsError
@@ -404,9 +441,11 @@ def run_serve(args: argparse.Namespace) -> int:
         precision_policy = precision_policy_arg(args)
         tracing = tracing_settings_arg(args, env_values(*TRACING_ENVS))
         apply_switch_interval(args.gil_switch_interval_ms)
-        # A missing --http/--loop implementation is refused here, before the model loads.
+        # A missing --http/--loop implementation and a busy port are refused here, before the
+        # model loads.
         http = resolve_http(args.http)
         loop_factory(args.loop)
+        check_port_free(args.host, args.port)
     except SitsError as exc:
         from sits.tenancy.loader import TenantConfigError, check_tenants
 
