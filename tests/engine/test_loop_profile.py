@@ -51,7 +51,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     clock[0] = 101.5
     assert profile.maybe_log() is None  # the window is not over
     clock[0] = 102.0
-    with caplog.at_level(logging.INFO, logger="sits.engine.loop_profile"):
+    with caplog.at_level(logging.DEBUG, logger="sits.engine.loop_profile"):
         line = profile.maybe_log()
     assert line == (
         "engine loop, last 2.0 s (busy 1.4 s): 4 steps of 343.8 ms: step 187.5 (schedule "
@@ -60,6 +60,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
         "tokens of requests shed before their first token"
     )
     assert caplog.messages == [line]
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]  # not INFO: no operator acts
     # The next window starts from zero; one without steps logs nothing.
     clock[0] = 104.0
     assert profile.maybe_log() is None
@@ -67,7 +68,10 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     profile.add("step", 0.5)
     clock[0] = 106.0
     core.scheduler.num_preemptions = 4
-    line = profile.maybe_log()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sits.engine.loop_profile"):
+        line = profile.maybe_log()
+    assert caplog.messages == []  # an operator at the default level sees no line every 10 s
     assert "(busy 0.5 s): 1 step of 500.0 ms: step 500.0 (schedule 0.0" in line
     assert "; 1 preemption; " in line
 

@@ -1,4 +1,4 @@
-"""`LoopProfile`: where the engine loop's time goes, logged at INFO every `period_s`.
+"""`LoopProfile`: where the engine loop's time goes, logged at DEBUG every `period_s`.
 
 The engine loop (`EngineLoop`, in a thread or a child process) times its own phases with
 `add` (or `mark` then one `lap` per phase): "commands" (handling adds, finishes and calls),
@@ -19,7 +19,9 @@ per step over that window (preemptions and wasted tokens as window totals), e.g.
 
 (phase figures in ms per step; "busy" is the loop's time in its phases, so idle time in the
 window does not inflate the per-step figures) so an operator, or a benchmark's log, sees
-whether steps are bound by the model, by host work or by the server side. A line is written
+whether steps are bound by the model, by host work or by the server side (`sits serve
+--log-level debug` shows it; at INFO a busy server would print a long line every 10 s that
+nobody acts on). A line is written
 at the first step after `period_s` has passed (a window may span an idle gap); windows
 without steps log nothing. Costs a few clock reads per step.
 """
@@ -97,7 +99,8 @@ class LoopProfile:
         return counters
 
     def maybe_log(self) -> str | None:
-        """Log (and return) the window's line when `period_s` has passed and steps ran."""
+        """Log at DEBUG (and return) the window's line when `period_s` has passed and steps
+        ran."""
         now_s = self._clock()
         window_s = now_s - self._since_s
         if window_s < self.period_s:
@@ -127,7 +130,7 @@ class LoopProfile:
             f"{_plural(preemptions, 'preemption')}; {int(delta['wasted'])} prefill tokens "
             "of requests shed before their first token"
         )
-        logger.info("%s", line)
+        logger.debug("%s", line)
         return line
 
 
