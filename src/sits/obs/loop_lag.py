@@ -8,9 +8,14 @@ interval each time (the GIL "convoy effect", CPython bpo-7946): a loop that send
 stream chunks a second then falls behind, and every client sees that delay in its TTFT and
 ITL even though the engine served the request on time. `EventLoopLagMonitor` measures it:
 every `interval_s` it sleeps and records (actual wake-up - due time) in the histogram
-`sits:event_loop_lag_seconds`, and logs a warning (at most once per `warn_every_s`) when the
-lag passes `warn_lag_s`. `sits serve --gil-switch-interval-ms` (`apply_switch_interval`) is the
-knob that bounds the convoy. The other stall of the whole process, the garbage collector's, is
+`sits:event_loop_lag_seconds`. Its warning is for starvation an operator should act on, not
+for one late timer: it judges windows of `warn_every_s`, counts only lag while requests are in
+flight, and warns (once per window) when the loop ran behind for at least `warn_share` of the
+window and its worst lag passed `warn_lag_s`. What the warning recommends depends on the
+engine (`starvation_advice`): the GIL knobs for an engine thread beside a GPU, never those on
+a CPU, where the engine's compute and the HTTP side share the cores.
+`sits serve --gil-switch-interval-ms` (`apply_switch_interval`) is the knob that bounds the
+convoy. The other stall of the whole process, the garbage collector's, is
 timed by `gc_pauses` (`sits.obs.gc_pauses`) into `sits:gc_pause_seconds` while the monitor
 runs, and its full collections wait for idle moments (`full_collections`).
 
@@ -36,6 +41,7 @@ from sits.obs.gc_pauses import GcPauseMonitor, IdleFullCollections
 logger = logging.getLogger(__name__)
 
 MAX_SWITCH_INTERVAL_MS = 1000.0  # a longer hold would only starve the HTTP side
+DEFAULT_WARN_SHARE = 0.25  # behind a quarter of the time: starved, not one late timer
 _LAG_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -65,6 +71,32 @@ def apply_switch_interval(interval_ms: float) -> float:
     return previous_ms
 
 
+def starvation_advice(device_type: str | None, engine_process: bool) -> str:
+    """What the starvation warning recommends.
+
+    Args:
+        device_type: where the engine computes ("cuda", "cpu"; None when unknown).
+        engine_process: the engine's step loop runs in its own process.
+
+    Returns:
+        The advice (the warning's last clause): the GIL knobs only for an engine thread
+        beside a GPU, where its kernel launches hold the GIL.
+    """
+    if device_type == "cuda" and not engine_process:
+        return "see --engine-process and --gil-switch-interval-ms, and sits:gc_pause_seconds"
+    if device_type == "cuda":
+        return (
+            "the engine runs in its own process: see what else busies this machine's CPUs, "
+            "and sits:gc_pause_seconds"
+        )
+    if device_type == "cpu":
+        return (
+            "the engine computes on the CPU and shares its cores with the HTTP side: give the "
+            "server more cores or fewer busy neighbours, and see sits:gc_pause_seconds"
+        )
+    return "see sits:gc_pause_seconds"
+
+
 class EventLoopLagMonitor:
     """Background task recording the asyncio loop's lag (see the module docstring).
 
@@ -72,10 +104,15 @@ class EventLoopLagMonitor:
         registry: where `sits:event_loop_lag_seconds` (label model_name) is registered.
         model_name: the label value.
         interval_s: seconds between samples (> 0).
-        warn_lag_s: a lag above this many seconds is logged as a warning.
-        warn_every_s: at most one such warning per this many seconds.
-        is_idle: True when the server has no request in flight; while the monitor runs, full
-            garbage collections wait for such moments (`full_collections`).
+        warn_every_s: the length of a warning window in seconds (at most one warning each).
+        warn_lag_s: a window warns only if its worst lag while serving passed this many
+            seconds,
+        warn_share: and only if the loop ran behind (the sum of its lags while serving) for
+            at least this share of the window.
+        advice: what the warning recommends (`starvation_advice`).
+        is_idle: True when the server has no request in flight: lag then delays nobody and
+            does not count towards a warning; while the monitor runs, full garbage
+            collections wait for such moments (`full_collections`).
 
     Attributes:
         max_lag_s: the largest lag seen so far, seconds.
@@ -92,6 +129,8 @@ class EventLoopLagMonitor:
         interval_s: float = 0.05,
         warn_lag_s: float = 0.25,
         warn_every_s: float = 10.0,
+        warn_share: float = DEFAULT_WARN_SHARE,
+        advice: str = starvation_advice(None, engine_process=False),
         is_idle: Callable[[], bool] = lambda: True,
     ) -> None:
         if not interval_s > 0:
@@ -99,9 +138,13 @@ class EventLoopLagMonitor:
         self.interval_s = interval_s
         self.warn_lag_s = warn_lag_s
         self.warn_every_s = warn_every_s
+        self.warn_share = warn_share
+        self.advice = advice
         self.max_lag_s = 0.0
         self.num_samples = 0
-        self._last_warning_s = -math.inf
+        self._window_start_s: float | None = None
+        self._window_behind_s = 0.0
+        self._window_worst_s = 0.0
         self._histogram = Histogram(
             "sits:event_loop_lag_seconds",
             "How late the server's asyncio loop woke up for a due timer (HTTP-side delay "
@@ -125,20 +168,33 @@ class EventLoopLagMonitor:
             lambda generation, pause_s: by_generation[generation].observe(pause_s), where="http"
         )
 
-    def record(self, lag_s: float, now_s: float) -> None:
-        """Record one sample of `lag_s` seconds taken at `now_s` (time.monotonic())."""
+    def record(self, lag_s: float, now_s: float, busy: bool = True) -> str | None:
+        """Record one sample of `lag_s` seconds taken at `now_s` (time.monotonic()), `busy`
+        when requests were in flight; returns the warning when this sample ends a window of
+        starvation (module docstring), else None."""
         lag_s = max(lag_s, 0.0)
         self.num_samples += 1
         self.max_lag_s = max(self.max_lag_s, lag_s)
         self._histogram.observe(lag_s)
-        if lag_s > self.warn_lag_s and now_s - self._last_warning_s >= self.warn_every_s:
-            self._last_warning_s = now_s
-            logger.warning(
-                "event loop lag %.3f s (max so far %.3f s): the HTTP side is starved; see "
-                "--engine-process and --gil-switch-interval-ms, and sits:gc_pause_seconds",
-                lag_s,
-                self.max_lag_s,
-            )
+        if self._window_start_s is None:
+            self._window_start_s = now_s
+        if busy:
+            self._window_behind_s += lag_s
+            self._window_worst_s = max(self._window_worst_s, lag_s)
+        window_s = now_s - self._window_start_s
+        if window_s < self.warn_every_s:
+            return None
+        behind_s, worst_s = self._window_behind_s, self._window_worst_s
+        self._window_start_s, self._window_behind_s, self._window_worst_s = now_s, 0.0, 0.0
+        if worst_s <= self.warn_lag_s or behind_s < self.warn_share * window_s:
+            return None
+        message = (
+            f"the HTTP side is starved: its event loop ran {behind_s:.1f} s behind in the "
+            f"last {window_s:.1f} s while serving (worst lag {worst_s:.3f} s, max so far "
+            f"{self.max_lag_s:.3f} s), a delay in every client's TTFT and ITL; {self.advice}"
+        )
+        logger.warning("%s", message)
+        return message
 
     def start(self) -> None:
         """Start sampling (call from the running event loop)."""
@@ -152,8 +208,9 @@ class EventLoopLagMonitor:
             due_s = time.monotonic() + self.interval_s
             await asyncio.sleep(self.interval_s)
             now_s = time.monotonic()
-            self.record(now_s - due_s, now_s)
-            self.full_collections.tick(self.is_idle())
+            idle = self.is_idle()
+            self.record(now_s - due_s, now_s, busy=not idle)
+            self.full_collections.tick(idle)
 
     async def stop(self) -> None:
         """Stop sampling."""

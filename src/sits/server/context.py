@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from sits.admission.precision_policy import PrecisionPolicySettings
 from sits.core.errors import InvalidParameterError
 from sits.obs.cost_metrics import CostCollector
-from sits.obs.loop_lag import EventLoopLagMonitor
+from sits.obs.loop_lag import EventLoopLagMonitor, starvation_advice
 from sits.obs.request_audit import AuditSettings, ServerAudit
 from sits.obs.server_metrics import ServerMetrics
 from sits.obs.tenant_metrics import TenantMetrics
@@ -169,8 +169,12 @@ class ServerContext:
             isolate_prefix_cache=settings.tenants is not None,
         )
         self.overload_watcher = OverloadWatcher(engine, self.qos)
+        device = getattr(getattr(getattr(engine, "info", None), "device", None), "type", None)
         self.loop_lag = EventLoopLagMonitor(
-            self.metrics.registry, self.model_name, is_idle=lambda: lifecycle.num_admitted == 0
+            self.metrics.registry,
+            self.model_name,
+            advice=starvation_advice(device, getattr(engine, "pid", None) is not None),
+            is_idle=lambda: lifecycle.num_admitted == 0,
         )
         self.tokenize_executor = ThreadPoolExecutor(1, thread_name_prefix="sits-tokenize")
         self.audit: ServerAudit | None = None
