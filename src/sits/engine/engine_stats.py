@@ -123,16 +123,15 @@ def snapshot_stats(
     """A fresh `EngineStats` of `core` (call on the engine's thread, between steps).
 
     Args:
-        previous: the last snapshot; its `tenants` and `waiting` maps are kept unless
-            `refresh_load` (that scan is O(requests)).
+        previous: the last snapshot; its `waiting` map is kept unless `refresh_load` (that
+            scan is O(requests)). The `tenants` map is read every time (O(tenants) counters),
+            so a tenant's running and waiting counts agree with the totals of the same
+            snapshot.
         borrowing_tiers, experts: copied into the snapshot as they are.
         now_s: time.monotonic() of the snapshot.
     """
     sched = core.scheduler
-    tenants, waiting = previous.tenants, previous.waiting
-    if refresh_load:
-        tenants = core.tenant_stats()
-        waiting = core.waiting_load()
+    waiting = core.waiting_load() if refresh_load else previous.waiting
     arrivals = [w.oldest_arrival_s for w in waiting.values() if w.oldest_arrival_s is not None]
     prefix_cache = sched.prefix_cache_stats
     return EngineStats(
@@ -143,7 +142,7 @@ def snapshot_stats(
         num_total_blocks=sched.num_total_blocks,
         num_preemptions=sched.num_preemptions,
         num_steps=core.stats.num_steps,
-        tenants=tenants,
+        tenants=core.tenant_stats(),
         waiting=waiting,
         oldest_waiting_arrival_s=min(arrivals, default=None),
         num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
