@@ -13,13 +13,54 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate a completion for a prompt offline")
     add_engine_args(p, model_required=False)
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--sampling-seed", type=int, default=None, help="seed of the request")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=int,
+        default=32,
+        help="most tokens to generate per sample (default %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        metavar="T",
+        type=float,
+        default=0.0,
+        help="divides the logits before sampling; 0 = greedy, always the most likely token "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p",
+        metavar="P",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: sample among the most likely tokens whose probabilities add "
+        "up to P, in (0, 1] (default %(default)s = all tokens)",
+    )
+    p.add_argument(
+        "--top-k",
+        metavar="K",
+        type=int,
+        default=0,
+        help="sample among the K most likely tokens; 0 or -1 = all (default %(default)s)",
+    )
+    p.add_argument(
+        "--n", type=int, default=1, help="samples per prompt, 1-128 (default %(default)s)"
+    )
+    p.add_argument(
+        "--sampling-seed",
+        metavar="SEED",
+        type=int,
+        default=None,
+        help="seed of the request's own random generator: the same samples alone or batched "
+        "(default: unseeded)",
+    )
+    p.add_argument(
+        "--stop",
+        metavar="TEXT",
+        action="append",
+        default=[],
+        help="stop string, left out of the text (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON with token ids")
     p.set_defaults(func=run_generate)
 
