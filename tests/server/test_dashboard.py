@@ -4,17 +4,14 @@ timelines with their prefill chunks, latency percentiles, expert load), the page
 only endpoints the server has and nothing outside it, and in headless Chromium it loads with
 no console error and shows the run's numbers.
 
-The browser test needs Debian's `chromium` and `chromium-driver` (scripts/install.sh installs
-them where it can) and the `selenium` package; it is skipped where any is missing, unless
-SITS_REQUIRE_BROWSER=1 (then it fails).
+The browser test is skipped without a headless browser (tests/server/browser.py says what it
+needs).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,6 +21,7 @@ import pytest
 from sits.server.context import ServerSettings
 from sits.server.qos.admit import QosSettings
 from sits.tenancy import TenantsConfig
+from tests.server.browser import headless_chromium
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, tenant, tenant_engine
 
@@ -42,6 +40,7 @@ RUN = (
     ("free", 90, 5, 1),
 )
 NUM_SAMPLES = sum(n for *_, n in RUN)
+REFUSED_BODY = {"prompt": [3, 4, 5], "max_tokens": -1}  # free's one refusal (400)
 
 
 _ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -72,6 +71,8 @@ def run(tiny_moe_dir):
             responses = list(pool.map(lambda i: _complete(live.base_url, i), range(len(RUN))))
         assert live.wait_until(lambda: live.engine.stats().num_running == 0, 10)
         with live.http() as http:
+            refused = http.post("/v1/completions", json=REFUSED_BODY, headers=auth("free"))
+            assert refused.status_code == 400, refused.text
             data = http.get("/dashboard/data", headers=_ADMIN).json()
         yield live, responses, data
 
@@ -98,6 +99,7 @@ def test_data_totals_tenants_and_cost_equal_the_run(run) -> None:
         assert row["prompt_tokens"] == sum(u["prompt_tokens"] for u in mine)
         assert row["generation_tokens"] == sum(u["completion_tokens"] for u in mine)
         assert row["requests"]["ok"] == len(mine)
+        assert row["requests"]["400"] == (1 if tenant_id == "free" else 0)
         assert row["gpu_s"] > 0
         assert row["cost"] == pytest.approx(row["gpu_s"] / 3600 * PRICE_PER_HOUR, rel=1e-9)
         num_tokens = row["prompt_tokens"] + row["generation_tokens"]
@@ -174,40 +176,11 @@ def test_page_references_only_existing_endpoints(run) -> None:
     assert "<script src" not in html and '<link rel="stylesheet"' not in html
 
 
-def _browser_paths() -> tuple[str, str] | None:
-    chromium = next(
-        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p),
-        None,
-    )
-    driver = shutil.which("chromedriver")
-    return (chromium, driver) if chromium and driver else None
-
-
 @pytest.fixture
 def browser():
-    """A headless Chromium driven by Selenium through the system chromedriver."""
-    paths = _browser_paths()
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        paths = None
-    if paths is None:
-        if os.environ.get("SITS_REQUIRE_BROWSER") == "1":
-            pytest.fail("SITS_REQUIRE_BROWSER=1 but chromium, chromedriver or selenium is missing")
-        pytest.skip("no headless browser here (chromium + chromium-driver + selenium)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = paths[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    options.add_argument("--window-size=1400,1800")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(paths[1]))
-    driver.set_page_load_timeout(60)
-    try:
+    """A headless Chromium (skips the test without one)."""
+    with headless_chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 # Reads the page in one script run: the page re-renders on every poll, so element handles kept
@@ -222,8 +195,8 @@ return {
   generationTokens: text("generation-tokens"),
   overload: text("overload-state"),
   breaker: text("breaker-state"),
-  tenants: q("#tenants tbody tr").map((r) => [r.dataset.tenant].concat(
-    Array.from(r.cells).map((c) => c.textContent))),
+  tenants: q("#tenants tbody tr").map((r) => [r.dataset.tenant,
+    Object.fromEntries(Array.from(r.cells).map((c) => [c.dataset.key, c.textContent]))]),
   latency: q("#latency tbody tr").map((r) => [r.dataset.metric, r.cells[1].dataset.value]),
   expertCells: q("#experts rect.cell").map((c) => Number(c.dataset.value)),
   frozen: q("#experts path.frozen").length,
@@ -259,10 +232,13 @@ def test_dashboard_in_headless_chromium_shows_the_run(run, browser) -> None:
     assert page["generationTokens"] == f"{num_generated:,}"
     assert (page["overload"], page["breaker"]) == ("green", "closed")
     assert [row[0] for row in page["tenants"]] == ["gold", "free", "idle"]
-    gold = page["tenants"][0][1:]
+    gold = page["tenants"][0][1]
     gold_usage = [r["usage"] for r in responses if r["tenant"] == "gold"]
-    assert gold[4] == f"{sum(u['prompt_tokens'] for u in gold_usage):,}"
-    assert gold[6].startswith("100 % of 3 ")
+    assert gold["prompt_tokens"] == f"{sum(u['prompt_tokens'] for u in gold_usage):,}"
+    assert gold["slo_ttft"].startswith("100 % of 3 ")
+    assert (gold["tier"], gold["requests_ok"], gold["requests_400"]) == ("best_effort", "3", "0")
+    free = page["tenants"][1][1]
+    assert (free["requests_ok"], free["requests_400"], free["requests_other"]) == ("2", "1", "0")
     assert [row[0] for row in page["latency"]] == ["ttft_s", "tpot_s", "e2e_s", "queue_s"]
     assert float(page["latency"][0][1]) == data["latency"]["ttft_s"]["p50"]
     expected = [n for layer in data["experts"]["layers"] for n in layer["num_tokens"]]

@@ -1,6 +1,7 @@
 """Dashboard pieces without an engine: nearest-rank percentiles, the bounded timeline ring,
-prefill chunks matched to requests (n > 1 too), registry lookups, the admin-key gate of
-/dashboard/data, and the GPU price setting and flag."""
+prefill chunks matched to requests (n > 1 too), registry lookups, a tenant's load with and
+without configured tenants, the engine's device, the admin-key gate of /dashboard/data, and
+the GPU price setting and flag."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sits.cli.serve import add_serve_parser
 from sits.core.errors import InvalidParameterError
 from sits.engine.step_stats import PrefillChunk
-from sits.obs.dashboard_data import MetricSamples, chunks_by_request
+from sits.obs.dashboard_data import MetricSamples, chunks_by_request, tenant_load
 from sits.obs.timeline import RequestTimeline, TimelineBuffer, latency_summary, percentiles
 from sits.server import routes_dashboard
 from sits.server.context import ServerSettings
 from sits.server.errors import install_error_handlers
-from sits.server.routes_dashboard import dashboard_html, dashboard_router
+from sits.server.routes_dashboard import dashboard_html, dashboard_router, engine_device
 
 
 def _timeline(request_id: str, n: int = 1, arrival_s: float = 10.0, **fields) -> RequestTimeline:
@@ -100,6 +101,39 @@ def test_metric_samples_lookup_ignores_model_name() -> None:
     assert samples.get("sits:x_total", tenant="a") == 3
     assert samples.get("sits:x_total", tenant="nobody") == 0
     assert samples.by_label("sits:x_total", "tenant") == {"a": 3, "b": 4}
+
+
+def test_tenant_load_is_the_engines_without_configured_tenants() -> None:
+    registry = CollectorRegistry()
+    for name, value in (("sits:num_requests_running", 3), ("sits:num_requests_waiting", 2)):
+        Gauge(name, name, ["model_name"], registry=registry).labels("m").set(value)
+    kv = Gauge("sits:kv_tier_blocks_used", "kv", ["model_name", "tier"], registry=registry)
+    kv.labels("m", "device").set(40)
+    kv.labels("m", "host").set(7)
+    for name, value in (
+        ("sits:tenant_num_requests_running", 1),
+        ("sits:tenant_num_requests_waiting", 2),
+        ("sits:tenant_kv_blocks_used", 9),
+    ):
+        Gauge(name, name, ["model_name", "tenant"], registry=registry).labels("m", "a").set(value)
+    samples = MetricSamples(registry)
+    assert tenant_load(samples, "default", per_tenant=False) == {
+        "num_running": 3,
+        "num_waiting": 2,
+        "kv_blocks_used": 40,
+    }
+    assert tenant_load(samples, "a", per_tenant=True) == {
+        "num_running": 1,
+        "num_waiting": 2,
+        "kv_blocks_used": 9,
+    }
+    assert tenant_load(samples, "b", per_tenant=True)["num_running"] == 0
+
+
+def test_engine_device_is_the_device_type() -> None:
+    engine = SimpleNamespace(info=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    assert engine_device(engine) == "cuda"
+    assert engine_device(SimpleNamespace()) is None  # a test double without model info
 
 
 def test_dashboard_data_needs_the_admin_key_when_one_is_set() -> None:

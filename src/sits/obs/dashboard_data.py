@@ -4,6 +4,8 @@ The route and the assembly of the whole body live in `sits.server.routes_dashboa
 its pure parts:
 - `MetricSamples`: every sample of a Prometheus registry at one instant, so the page shows
   exactly what `/metrics` exports;
+- `tenant_load`: a tenant's running and waiting requests and KV blocks, from the same samples
+  as the totals when the scheduler keeps no per-tenant numbers (no configured tenants);
 - `timeline_json`: one ended request's bars (queue, prefill chunks, decode), in seconds after
   its arrival (`sits.obs.timeline.RequestTimeline`);
 - `chunks_by_request`: the engine's prefill chunks (`sits.engine.step_stats.PrefillChunk`, read by
@@ -47,6 +49,34 @@ class MetricSamples:
             if label in labels and all(labels.get(k) == v for k, v in where.items()):
                 out[labels[label]] = out.get(labels[label], 0.0) + value
         return out
+
+
+def tenant_load(samples: MetricSamples, tenant_id: str, *, per_tenant: bool) -> dict[str, float]:
+    """A tenant's requests running and waiting in the scheduler and the KV blocks they hold.
+
+    Args:
+        samples: the registry's samples.
+        tenant_id: the tenant.
+        per_tenant: the scheduler keeps per-tenant numbers (configured tenants:
+            `sits:tenant_num_requests_running`, `..._waiting`, `sits:tenant_kv_blocks_used`).
+            Without them the scheduler is plain FCFS and keeps none: its one tenant (the
+            default) owns the whole engine, so its numbers are the engine's totals
+            (`sits:num_requests_running`, `..._waiting`, device-tier blocks used).
+
+    Returns:
+        {"num_running", "num_waiting", "kv_blocks_used"}: counts (requests, blocks).
+    """
+    if per_tenant:
+        return {
+            "num_running": samples.get("sits:tenant_num_requests_running", tenant=tenant_id),
+            "num_waiting": samples.get("sits:tenant_num_requests_waiting", tenant=tenant_id),
+            "kv_blocks_used": samples.get("sits:tenant_kv_blocks_used", tenant=tenant_id),
+        }
+    return {
+        "num_running": samples.get("sits:num_requests_running"),
+        "num_waiting": samples.get("sits:num_requests_waiting"),
+        "kv_blocks_used": samples.get("sits:kv_tier_blocks_used", tier="device"),
+    }
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -16,7 +16,14 @@ latest requests.
   relative to the request's arrival (`*_s`) or ages before `time_s`;
 - experts: the engine's last expert snapshot (`EngineStats.experts`), null for a dense model;
 - precision: with `--precision-switch`, the current weight set, the sets held and the number
-  of switches (`PrecisionState`); null without a switch.
+  of switches (`PrecisionState`); null without a switch;
+- tenants: per tenant, its requests by outcome (`sits:tenant_requests_total`: ok and the
+  refusals 400, 429, 503, ...), tokens, SLOs, busy seconds and cost, and its running and
+  waiting requests (`tenant_load`). Without `--tenants` the one default tenant has tier null
+  (the engine schedules first come first served, with no tier) and the engine's totals;
+- device: where the engine runs ("cuda", "cpu"; null when unknown): its busy seconds
+  (`gpu_s`, `sits:gpu_seconds_total`, the wall time of its steps) are GPU-seconds on a GPU
+  only, and the page names them after the device.
 Access: open like `/metrics`; with an admin key (`--admin-key`) the data needs it
 (`Authorization: Bearer KEY`; the page asks for it), since it names recent requests. With
 tenants (`--tenants`) and no admin key, the recent requests are left out (`requests` empty,
@@ -41,6 +48,7 @@ from sits.obs.dashboard_data import (
     MetricSamples,
     chunks_by_request,
     finite_or_none,
+    tenant_load,
     timeline_json,
 )
 from sits.obs.timeline import latency_summary
@@ -68,9 +76,17 @@ def dashboard_html() -> str:
     return (resources.files("sits.server") / "static" / "dashboard.html").read_text("utf-8")
 
 
+def engine_device(engine: Any) -> str | None:
+    """The type of the engine's device ("cuda", "cpu"), from `engine.info.device` (a
+    `torch.device`); None for an engine without one (a test double)."""
+    device = getattr(getattr(engine, "info", None), "device", None)
+    return getattr(device, "type", None)
+
+
 def _tenants_json(ctx: ServerContext, samples: MetricSamples) -> list[dict[str, Any]]:
     price = ctx.settings.gpu_price_per_hour
     _, gpu_s = ctx.cost.tenant_gpu_seconds()
+    configured = ctx.settings.tenants is not None  # else one default tenant, plain FCFS
     out = []
     for tenant in ctx.qos.tenants:
         tid = tenant.id
@@ -90,14 +106,12 @@ def _tenants_json(ctx: ServerContext, samples: MetricSamples) -> list[dict[str, 
         out.append(
             {
                 "id": tid,
-                "tier": tenant.tier.value,
+                "tier": tenant.tier.value if configured else None,
                 "requests": samples.by_label("sits:tenant_requests_total", "outcome", tenant=tid),
                 "prompt_tokens": prompt,
                 "generation_tokens": generated,
-                "num_running": samples.get("sits:tenant_num_requests_running", tenant=tid),
-                "num_waiting": samples.get("sits:tenant_num_requests_waiting", tenant=tid),
+                **tenant_load(samples, tid, per_tenant=configured),
                 "in_flight": samples.get("sits:tenant_requests_in_flight", tenant=tid),
-                "kv_blocks_used": samples.get("sits:tenant_kv_blocks_used", tenant=tid),
                 "slo": slo,
                 "gpu_s": seconds,
                 "cost": seconds / SECONDS_PER_HOUR * price if price > 0 else None,
@@ -168,6 +182,7 @@ def dashboard_data(
         "latency": latency_summary(timelines),
         "tenants": _tenants_json(ctx, samples),
         "gpu_price_per_hour": ctx.settings.gpu_price_per_hour,
+        "device": engine_device(ctx.engine),
         "experts": experts.to_json() if experts is not None else None,
         "precision": None
         if precision is None
