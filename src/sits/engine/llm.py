@@ -125,12 +125,16 @@ class LLM:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
             sampling_params: as for `generate`.
             add_generation_prompt: end the rendered prompt with the assistant turn's header.
+
+        Returns:
+            One finished RequestOutput per conversation; its `prompt` is the rendered text.
         """
         tokenizer = self._require_tokenizer("messages")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        encoded = [
-            (None, tokenizer.apply_chat_template(c, add_generation_prompt)) for c in conversations
-        ]
+        encoded = []
+        for conversation in conversations:
+            text = tokenizer.render_chat(conversation, add_generation_prompt)
+            encoded.append((text, tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, self._params_list(sampling_params, len(encoded)))
 
     def _require_tokenizer(self, param: str) -> Tokenizer:
