@@ -3,9 +3,12 @@
 Exit codes of `verify`: 0 the chain is intact (a torn last line from a crash mid-write is
 printed as a warning on stderr and still exits 0); 1 the chain breaks (the first breaking line
 is named: file, line number, request id when readable, reason); 2 (from `sits.cli.main`) the log
-does not exist. `show` prints every record of the request id a client got as indented JSON (a
-completion with several prompts has one record per prompt, `ID-0`, `ID-1`, ...: all of them, in
-prompt order), exit 1 if none. A reader that stops early (`| head`) ends either quietly.
+does not exist. `show` prints every record of the request id a client got (a completion with
+several prompts has one record per prompt, `ID-0`, `ID-1`, ...: all of them, in prompt order),
+exit 1 if none: a summary of each by default (request, tenant, model, tokens in and out, finish
+reasons, precision, latency, and whether the record matches its own hash), the whole record as
+indented JSON with `--json` (per generated token its logprob and alternatives: hundreds of
+lines for a short answer). A reader that stops early (`| head`) ends either quietly.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from sits.core.errors import InvalidParameterError
 
@@ -43,6 +47,11 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
         "shows the record of each prompt)",
     )
     s.add_argument("--log", required=True, dest="path", help="the audit log file")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print each whole record as indented JSON (default: a summary of each)",
+    )
     s.set_defaults(func=_quiet_on_broken_pipe(run_show))
 
 
@@ -112,8 +121,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    """Print the request's record(s) as indented JSON (`find_request_records`); 1 when
-    there is none.
+    """Print the request's record(s) (`find_request_records`): summaries, or indented JSON
+    with `--json`; 1 when there is none.
 
     Raises:
         AuditLogError: no log at the path.
@@ -124,6 +133,63 @@ def run_show(args: argparse.Namespace) -> int:
     if not records:
         print(f"no audit record for request {args.request_id} in {args.path}", file=sys.stderr)
         return 1
-    for record in records:
-        print(json.dumps(record, indent=2, ensure_ascii=False, sort_keys=True))
+    for number, record in enumerate(records):
+        if args.json:
+            print(json.dumps(record, indent=2, ensure_ascii=False, sort_keys=True))
+            continue
+        if number:
+            print()
+        print(record_summary(record, args.path))
     return 0
+
+
+def record_summary(record: dict[str, Any], log_path: str) -> str:
+    """A few lines about one audit record (as parsed from the log `log_path`): request id,
+    finish time, tenant, model and weights, tokens in and out, finish reasons, precision,
+    latency, and whether the record matches its own hash."""
+    outputs = record.get("outputs") or []
+    out_tokens = [len(sample.get("token_ids") or ()) for sample in outputs]
+    samples = f" ({len(outputs)} samples)" if len(outputs) > 1 else ""
+    finish = ", ".join(str(sample.get("finish_reason")) for sample in outputs) or "-"
+    precision = record.get("precision")
+    switches = record.get("precision_switches") or 0
+    timings = record.get("timings") or {}
+    rows = [
+        ("request", record.get("request_id")),
+        ("time", record.get("time")),
+        ("tenant", record.get("tenant")),
+        ("model", f"{record.get('model')} (weights {record.get('weights_digest')})"),
+        (
+            "tokens",
+            f"{record.get('num_prompt_tokens')} in, "
+            f"{' + '.join(map(str, out_tokens)) or 0} out{samples}",
+        ),
+        ("finish", finish),
+        (
+            "precision",
+            "none recorded (no --precision-switch, or no token)"
+            if precision is None
+            else f"{precision}, {switches} switch(es) while it ran",
+        ),
+        (
+            "latency",
+            f"ttft {_seconds(timings.get('ttft_s'))}, e2e {_seconds(timings.get('e2e_s'))}",
+        ),
+        ("hash", _hash_check(record, log_path)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f} s" if isinstance(value, int | float) else "-"
+
+
+def _hash_check(record: dict[str, Any], log_path: str) -> str:
+    """Whether `record` matches its own `hash` (its values unchanged since it was chained)."""
+    from sits.obs.audit import HASH_FIELD, PREV_HASH_FIELD, chain_hash
+
+    body = {key: value for key, value in record.items() if key != HASH_FIELD}
+    ok = chain_hash(str(record.get(PREV_HASH_FIELD)), body) == record.get(HASH_FIELD)
+    verdict = "ok, the record matches its hash" if ok else "MISMATCH: the record was altered"
+    return f"{verdict}; `sits audit verify {log_path}` checks the whole chain"
