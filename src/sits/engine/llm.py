@@ -11,6 +11,8 @@ With spare expert slots (`num_spare_experts` > 0) the MoE experts are read every
 `EXPERT_READ_PERIOD_STEPS` steps and after each call (`ExpertMonitor.read` with
 `auto_restore`): an expert the health check froze is reloaded into a spare slot between
 steps and unfrozen, as in `AsyncLLM`.
+A call shows vLLM's "Processed prompts" progress bar on stderr (`use_tqdm`), advanced as each
+prompt finishes, with the estimated input and output speed in tokens/s.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tqdm import tqdm
 
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, SitsError
@@ -34,6 +38,7 @@ from sits.engine.tokenizer import Tokenizer
 from sits.runner.expert_health import ExpertMonitor
 
 PromptType = str | dict[str, Any]
+ProgressType = bool | Callable[..., tqdm]
 EXPERT_READ_PERIOD_STEPS = 8
 
 
@@ -93,6 +98,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: ProgressType = True,
     ) -> list[RequestOutput]:
         """Generate completions.
 
@@ -100,6 +106,8 @@ class LLM:
             prompts: a string, a dict {"prompt_token_ids": [...]} (or {"prompt": str}), or a
                 list of them.
             sampling_params: one for all prompts, one per prompt, or None for the defaults.
+            use_tqdm: show a progress bar over the prompts on stderr (True, as vLLM), none
+                (False), or a callable taking tqdm's arguments that makes the bar.
 
         Returns:
             One finished RequestOutput per prompt, in prompt order.
@@ -111,13 +119,14 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, self._params_list(sampling_params, len(encoded)))
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)), use_tqdm)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        use_tqdm: ProgressType = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template.
 
@@ -125,6 +134,7 @@ class LLM:
             messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
             sampling_params: as for `generate`.
             add_generation_prompt: end the rendered prompt with the assistant turn's header.
+            use_tqdm: as for `generate`.
 
         Returns:
             One finished RequestOutput per conversation; its `prompt` is the rendered text.
@@ -135,7 +145,7 @@ class LLM:
         for conversation in conversations:
             text = tokenizer.render_chat(conversation, add_generation_prompt)
             encoded.append((text, tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(encoded, self._params_list(sampling_params, len(encoded)))
+        return self._run(encoded, self._params_list(sampling_params, len(encoded)), use_tqdm)
 
     def _require_tokenizer(self, param: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -168,7 +178,10 @@ class LLM:
         return list(sampling_params)
 
     def _run(
-        self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        use_tqdm: ProgressType,
     ) -> list[RequestOutput]:
         core = self.engine_core
         processor = OutputProcessor(self.tokenizer)
@@ -209,6 +222,23 @@ class LLM:
                 params,
                 children[0].arrival_time,
             )
+        progress = _Progress(use_tqdm, len(batches)) if use_tqdm else None
+        try:
+            self._step_until_done(processor, finished, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[b[0]] for b in batches]
+
+    def _step_until_done(
+        self,
+        processor: OutputProcessor,
+        finished: dict[str, RequestOutput],
+        progress: _Progress | None,
+    ) -> None:
+        """Step the engine until no request is left, filling `finished` (request id -> its
+        final output) and advancing `progress` as each request finishes."""
+        core = self.engine_core
         # A step's outputs are processed (detokenized, stop strings checked) while the device
         # runs the next step; a stop string found there ends its request after that step,
         # whose one extra token the processor ignores (its sample is finished).
@@ -225,6 +255,8 @@ class LLM:
             for _, out in processed.request_outputs:
                 if out.finished:
                     finished[out.request_id] = out
+                    if progress is not None:
+                        progress.finished(out)
 
         while True:
             if core.has_unfinished_requests():
@@ -243,7 +275,48 @@ class LLM:
             stops.clear()
         if self.experts is not None:
             self.experts.read(core.stats.num_steps)
-        return [finished[b[0]] for b in batches]
+
+
+class _Progress:
+    """vLLM's "Processed prompts" bar over one call's requests: advanced as each finishes,
+    its postfix the estimated input and output speed (tokens of the finished requests per
+    second of the call so far).
+
+    Args:
+        use_tqdm: True (a `tqdm` bar on stderr) or a callable taking tqdm's arguments.
+        total: the call's requests.
+    """
+
+    def __init__(self, use_tqdm: ProgressType, total: int) -> None:
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        self._bar = make_bar(
+            total=total,
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            postfix=_speed_text(0.0, 0.0),
+        )
+        self._num_input_tokens = 0
+        self._num_output_tokens = 0
+
+    def finished(self, output: RequestOutput) -> None:
+        """Count a finished request (its prompt and all its samples' tokens)."""
+        self._num_input_tokens += len(output.prompt_token_ids)
+        self._num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed_s = max(self._bar.format_dict["elapsed"], 1e-9)
+        self._bar.postfix = _speed_text(
+            self._num_input_tokens / elapsed_s, self._num_output_tokens / elapsed_s
+        )
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _speed_text(input_tokens_per_s: float, output_tokens_per_s: float) -> str:
+    return (
+        f"est. speed input: {input_tokens_per_s:.2f} toks/s, "
+        f"output: {output_tokens_per_s:.2f} toks/s"
+    )
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
