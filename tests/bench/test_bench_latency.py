@@ -53,7 +53,10 @@ def test_latency_counts_every_request_and_step(tmp_path, capsys, monkeypatch) ->
     for key in ("ttft_ms", "tpot_ms", "decode_step_ms"):
         stats = doc[key]
         assert 0 < stats["p50"] <= stats["p99"]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    last_bar = captured.err.split("\r")[-1]
+    assert last_bar.startswith("Iterations: 100%") and " 3/3 " in last_bar  # warm-up + timed
     assert printed.startswith("Command: ")
     assert "| (ms) | mean | p50 | p99 | count |" in printed
     assert "| TTFT |" in printed and "| TPOT |" in printed

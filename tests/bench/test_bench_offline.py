@@ -70,7 +70,12 @@ def test_throughput_reports_exact_token_counts(tmp_path, capsys, monkeypatch) ->
     in_steps = phases["schedule"] + phases["runner"] + phases["update"]
     assert 0.0 < in_steps <= doc["sits"]["elapsed_s"]
     assert phases["launch"] + phases["shadow"] + phases["sync"] <= phases["runner"] + 1e-6
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # one bar, the timed call's (not the warm-up's): 4 prompts, its last state at 100 %
+    bars = [line for line in captured.err.split("\r") if line.startswith("Processed prompts")]
+    assert bars and bars[-1].startswith("Processed prompts: 100%")
+    assert {b.split("|")[2].split()[0] for b in bars} <= {"0/4", "1/4", "2/4", "3/4", "4/4"}
     assert "Engine phases (s in all): schedule " in printed
     assert printed.startswith("Command: ")
     assert "--random-weights tiny-qwen3-moe" in printed.splitlines()[0]

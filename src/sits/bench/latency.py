@@ -8,7 +8,8 @@ device work). Per request:
 - TTFT = end of the step that produced its first token - the iteration's start;
 - TPOT = (end of the step of its last token - end of the step of its first) / (output_len - 1).
 Steps until every request has its first token are "prefill steps"; the rest "decode steps".
-The first `--num-iters-warmup` iterations are not counted. Reported: TTFT, TPOT and iteration
+The first `--num-iters-warmup` iterations are not counted; a bar on stderr counts the
+iterations (between them: outside the timed steps). Reported: TTFT, TPOT and iteration
 latency (mean, p50, p99, ms), the decode step time, decode output tok/s (batch / mean step),
 the rooflines of the prefill and decode steps (`sits.bench.roofline`), and where a decode step
 goes: the mean ms per decode step of the engine's phase counters (`StepStats.phase_s`:
@@ -30,6 +31,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tqdm import tqdm
 
 from sits.bench.metrics import percentile
 from sits.bench.offline_common import (
@@ -172,7 +175,7 @@ def run_latency_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(**dataclasses.asdict(setup.config))
     recorder = StepRecorder().attach(llm.engine_core)
     timings = []
-    for i in range(args.num_iters_warmup + args.num_iters):
+    for i in tqdm(range(args.num_iters_warmup + args.num_iters), desc="Iterations"):
         prompts = random_prompts(args.batch_size, args.input_len, setup.vocab_size, args.seed + i)
         timing = run_iteration(llm, recorder, prompts, args.output_len, f"it{i}")
         if i >= args.num_iters_warmup:

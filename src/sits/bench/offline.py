@@ -4,7 +4,8 @@ Workload: `--num-prompts` prompts of `--input-len` random token ids (seeded by `
 generating exactly `--output-len` tokens (greedy, `ignore_eos`), all queued at once. A warm-up
 of a few other prompts runs first and is not timed. Reported: requests/s, output tok/s and
 total (prompt + output) tok/s over the wall time of the timed `generate` call, the exact token
-counts, and the roofline of the steps the engine ran (`sits.bench.roofline`).
+counts, and the roofline of the steps the engine ran (`sits.bench.roofline`). The timed call
+shows `LLM.generate`'s progress bar on stderr.
 
 `--peer transformers` first runs transformers' `generate_batch` on the same prompts and weights
 (`sits.bench.peer`), frees it, then runs sits, and prints the ratio of output tok/s sits/peer
@@ -160,7 +161,11 @@ def run_throughput_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             setup.vocab_size,
             args.seed + _WARMUP_SEED_OFFSET,
         )
-        llm.generate([{"prompt_token_ids": p} for p in warmup], _greedy(min(args.output_len, 4)))
+        llm.generate(
+            [{"prompt_token_ids": p} for p in warmup],
+            _greedy(min(args.output_len, 4)),
+            use_tqdm=False,
+        )
     recorder = StepRecorder().attach(llm.engine_core)
     phases_before = phase_counters(llm.engine_core)
     sits = run_sits(llm, prompts, args.output_len)
