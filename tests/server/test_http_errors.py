@@ -35,3 +35,26 @@ def test_nan_temperature_is_rejected(server) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
+
+
+def test_a_body_that_is_not_utf8_is_a_400_that_says_so(server) -> None:
+    """Not FastAPI's generic "There was an error parsing the body" (Latin-1 'café')."""
+    body = b'{"model": "m", "prompt": "caf\xe9", "max_tokens": 2}'
+    at = body.index(b"\xe9")  # 29: where the bad byte is
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(
+            server.base_url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+        assert response.status_code == 400
+        assert response.json() == {
+            "error": {
+                "message": "The body is not valid UTF-8 (invalid continuation byte at byte "
+                f"{at}): send the JSON encoded as UTF-8.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }

@@ -2,8 +2,9 @@
 
 Every failure an HTTP client can see goes through `error_body`: user errors from
 `sits.core.errors` become 400 with `param` naming the field, pydantic validation errors become
-400 (not FastAPI's 422), unknown models 404, bad API keys 401, rate limits 429 (with Retry-After),
-draining, overload shedding, an open circuit breaker or a dead engine 503.
+400 (not FastAPI's 422), a body that is not UTF-8 a 400 that says so, unknown models 404, bad
+API keys 401, rate limits 429 (with Retry-After), draining, overload shedding, an open circuit
+breaker or a dead engine 503.
 Only unexpected exceptions are 500, and their message never carries a traceback.
 """
 
@@ -204,6 +205,11 @@ def install_error_handlers(app: FastAPI, on_invalid_body: InvalidBodyHook | None
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = undecodable_body(exc)
+        if err is not None:  # a refused body, as invalid JSON is
+            if on_invalid_body is not None:
+                err = await on_invalid_body(request, err)
+            return error_response(err, headers=err.headers)
         phrase = _status_phrase(exc.status_code)
         message = exc.detail if isinstance(exc.detail, str) else phrase
         code = phrase.lower().replace(" ", "_") or None
@@ -213,6 +219,20 @@ def install_error_handlers(app: FastAPI, on_invalid_body: InvalidBodyHook | None
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(to_server_error(exc))
+
+
+def undecodable_body(exc: StarletteHTTPException) -> ServerError | None:
+    """400 saying the body is not UTF-8, for FastAPI's generic "There was an error parsing
+    the body" raised from a `UnicodeDecodeError` (JSON bytes that do not decode); None for any
+    other HTTP error."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or not isinstance(cause, UnicodeDecodeError):
+        return None
+    return ServerError(
+        400,
+        f"The body is not valid UTF-8 ({cause.reason} at byte {cause.start}): send the JSON "
+        "encoded as UTF-8.",
+    )
 
 
 def _status_phrase(status_code: int) -> str:
