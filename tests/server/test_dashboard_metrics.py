@@ -14,19 +14,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from sits.admission import OverloadState
+from sits.config import EngineConfig
 from sits.obs.tenant_metrics import OUTCOMES
 from sits.server.context import ServerSettings
 from sits.server.qos.admit import QosSettings
 from sits.tenancy import DEFAULT_TENANT_ID, TenantsConfig, Tier
 from tests.server.browser import READ_TENANTS_JS, headless_chromium
+from tests.server.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 from tests.server.live import LiveServer, metric_samples
-from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, ctx_of, tenant, tenant_engine
+from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, ctx_of, tenant
 
 TENANTS = TenantsConfig(
     (
@@ -38,6 +41,7 @@ TENANTS = TenantsConfig(
 BODY = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "ignore_eos": True}
 HELD_BODY = {"prompt": [11, 12, 13, 14], "max_tokens": 4, "ignore_eos": True}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+HANG_S = 600.0  # a wait this long is a hang, however busy the machine
 
 
 class StepGate:
@@ -65,7 +69,7 @@ class StepGate:
             if while_gpu_runs is not None:
                 while_gpu_runs()
             self.held.set()
-            self.release.wait(60)
+            self.release.wait(HANG_S)
         return self._step(while_gpu_runs)
 
 
@@ -95,14 +99,14 @@ def _held(live: LiveServer, tenant_id: str | None) -> Iterator[None]:
     thread = threading.Thread(target=lambda: answers.append(_post(live, tenant_id, **HELD_BODY)))
     thread.start()
     try:
-        assert gate.held.wait(60), "the engine never ran the request"
-        assert live.wait_until(lambda: live.engine.stats().num_running == 1, 60)
+        assert gate.held.wait(HANG_S), "the engine never ran the request"
+        assert live.wait_until(lambda: live.engine.stats().num_running == 1, HANG_S)
         yield
     finally:
         gate.release.set()
-        thread.join(120)
+        thread.join(HANG_S)
     assert [a.status_code for a in answers] == [200]
-    assert live.wait_until(lambda: live.engine.stats().num_running == 0, 60)
+    assert live.wait_until(lambda: live.engine.stats().num_running == 0, HANG_S)
 
 
 def _assert_tenant_equals_metrics(row: dict[str, Any], samples: Samples, configured: bool) -> None:
@@ -149,7 +153,9 @@ def _assert_totals_equal_metrics(data: dict[str, Any], samples: Samples) -> None
 @pytest.fixture(scope="module")
 def default_server(tiny_moe_dir, engine_factory):
     """No --tenants: (live server, [(data, /metrics) held, (data, /metrics) at rest])."""
-    with LiveServer(engine_factory(tiny_moe_dir)) as live:
+    # The held step must not pass the step timeout, however long the checks take.
+    make_engine = engine_factory(tiny_moe_dir, step_timeout_s=2 * HANG_S)
+    with LiveServer(make_engine) as live:
         assert _post(live, None).status_code == 200
         assert _post(live, None, max_tokens=-1).status_code == 400
         with _held(live, None):
@@ -157,12 +163,32 @@ def default_server(tiny_moe_dir, engine_factory):
         yield live, [held, _data_and_metrics(live)]
 
 
+def _tenant_engine(model_dir: Path) -> Callable[[], Any]:
+    """`make_engine` for LiveServer: TENANTS scheduled, a step timeout the held step never
+    reaches however long the checks take."""
+
+    def make_engine() -> Any:
+        from sits.engine.async_llm import AsyncLLM
+        from sits.engine.builder import tenant_policies_of
+
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+        )
+        policies = tenant_policies_of(TENANTS)
+        return AsyncLLM(config, tenant_policies=policies, step_timeout_s=2 * HANG_S)
+
+    return make_engine
+
+
 @pytest.fixture(scope="module")
 def tenant_server(tiny_moe_dir):
     """Tenants gold, capped, free after each kind of refusal: (live server, [(data, /metrics)
     while gold's request is held, (data, /metrics) at rest])."""
     settings = ServerSettings(tenants=TENANTS, qos=QosSettings(overload=NEVER_OVERLOADED))
-    with LiveServer(tenant_engine(tiny_moe_dir, TENANTS), settings) as live:
+    with LiveServer(_tenant_engine(tiny_moe_dir), settings) as live:
         assert _post(live, "gold").status_code == 200
         assert _post(live, "gold", max_tokens=-1).status_code == 400
         assert _post(live, "capped").status_code == 200
@@ -230,7 +256,7 @@ def _page_tenants(browser: Any, base_url: str) -> dict[str, dict[str, str]]:
 
     browser.get(f"{base_url}/dashboard?poll_ms=200")
     polls = "return Number(document.body.dataset.polls || 0);"
-    WebDriverWait(browser, 60).until(lambda d: d.execute_script(polls) >= 2)
+    WebDriverWait(browser, HANG_S).until(lambda d: d.execute_script(polls) >= 2)
     return dict(browser.execute_script(READ_TENANTS_JS))
 
 
