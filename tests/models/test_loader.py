@@ -48,14 +48,22 @@ def test_registry_lists_the_supported_architectures() -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
-def test_sharded_checkpoint_gives_the_same_logits(tiny_checkpoint, tmp_path, arch) -> None:
+def test_sharded_checkpoint_gives_the_same_logits(tiny_checkpoint, tmp_path, arch, capsys) -> None:
     single = tiny_checkpoint(arch)
     hf = AutoModelForCausalLM.from_pretrained(str(single), dtype=torch.float32)
     sharded = tmp_path / "sharded"
     hf.save_pretrained(sharded, max_shard_size="40KB")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) >= 3
-    assert torch.equal(prompt_logits(sharded), prompt_logits(single))
+    num_shards = len(set(index["weight_map"].values()))
+    assert num_shards >= 3
+    capsys.readouterr()
+    sharded_logits = prompt_logits(sharded)
+    last_bar = capsys.readouterr().err.split("\r")[-1]
+    assert last_bar.startswith("Loading safetensors checkpoint shards: 100%")
+    assert f" {num_shards}/{num_shards} " in last_bar
+    single_logits = prompt_logits(single)
+    assert capsys.readouterr().err == ""  # one file: no bar
+    assert torch.equal(sharded_logits, single_logits)
 
 
 EXPERT_NAMES = {

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
@@ -279,8 +280,10 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
 
 
 def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
-    """(name, CPU tensor) of every tensor in the files, read one at a time."""
-    for path in files:
+    """(name, CPU tensor) of every tensor in the files, read one at a time; a sharded
+    checkpoint (more than one file) shows vLLM's bar over its files on stderr."""
+    shards = tqdm(files, desc="Loading safetensors checkpoint shards", disable=len(files) < 2)
+    for path in shards:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 yield name, f.get_tensor(name)
