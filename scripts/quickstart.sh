@@ -11,19 +11,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each install step prints one line, "[install] <step> ... done in N s"; pip's output goes to a
+# log, printed only when the step fails.
+PIP_LOG="$(mktemp -t sits-pip-XXXXXX.log)"
+step() {  # step NAME COMMAND...: run COMMAND with its output in $PIP_LOG, timed on one line
+  local name="$1" start=$SECONDS
+  shift
+  printf '[install] %s ... ' "$name"
+  if "$@" >"$PIP_LOG" 2>&1; then
+    echo "done in $((SECONDS - start)) s"
+  else
+    echo "FAILED after $((SECONDS - start)) s; its output:"
+    cat "$PIP_LOG"
+    exit 1
+  fi
+}
 if [ ! -x .venv/bin/python ]; then
-  echo "== creating .venv"
-  python3 -m venv .venv
+  step "creating .venv" python3 -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-PIP_LOG="$(mktemp -t sits-pip-XXXXXX.log)"
 if ! python -c "import torch" 2>/dev/null; then
-  echo "== installing CPU PyTorch 2.13.0"
-  pip install torch==2.13.0 >"$PIP_LOG" 2>&1 || { cat "$PIP_LOG"; exit 1; }
+  step "installing CPU PyTorch 2.13.0" pip install torch==2.13.0
 fi
-echo "== installing sits (pip install -e .)"
-pip install -e . >"$PIP_LOG" 2>&1 || { cat "$PIP_LOG"; exit 1; }
+step "installing sits (pip install -e .)" pip install -e .
 rm -f "$PIP_LOG"
 
 PORT="${PORT:-8000}"
