@@ -17,7 +17,10 @@ Startup: the child builds the engine (without a tokenizer: the parent keeps it) 
 class and message. The child ignores SIGINT and SIGTERM (the parent owns shutdown: a Ctrl-C
 or a SIGTERM to the whole process group, as `systemctl stop` sends, must not kill the engine
 under the parent's draining requests) and exits when the parent's end of the command pipe
-closes. `stop` asks it to stop, joins it, and terminates (then kills) it after a timeout.
+closes. `stop` asks it to stop and waits, up to its timeout, for the loop to end: the child
+closes its event pipe then. What is left is the interpreter's teardown (with torch loaded,
+2 s on an idle 2-core CPU, 12 s beside two busy processes), which gets its own ceiling,
+`_EXIT_S`; a child past either wait is terminated, then killed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -56,7 +60,8 @@ from sits.sched.config import TenantPolicy
 logger = logging.getLogger(__name__)
 
 _STARTUP_POLL_S = 0.1
-_STARTUP_EXIT_S = 2.0  # a child that reported a startup error exits by itself in this time
+_STARTUP_EXIT_S = 2.0  # a child that reported a startup error closes its pipe in this time
+_EXIT_S = 60.0  # teardown of a child whose pipe closed; longer = a hang (killed)
 
 
 def run_engine_proc(
@@ -89,6 +94,7 @@ def run_engine_proc(
             logger.exception("engine startup failed")
         with contextlib.suppress(OSError, ValueError):  # the parent is gone
             out_conn.send(StartupError(pack_error(exc)))
+        out_conn.close()
         return
     frozen = freeze_startup_heap()  # the engine is built: none of it is garbage
     logger.info("froze %d startup objects out of garbage collection", frozen)
@@ -97,6 +103,7 @@ def run_engine_proc(
     try:
         died = loop.run()
     finally:
+        out_conn.close()  # the loop is over: the parent waits for the exit (`_EXIT_S`)
         pauses.close()
         gc.unfreeze()  # exit with a collectable heap (extensions report frozen objects as leaks)
     if died:
@@ -132,6 +139,7 @@ class ProcessTransport:
         self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._reader: threading.Thread | None = None
+        self._events_ended = threading.Event()  # the reader thread read EOF
         ctx = multiprocessing.get_context("spawn")
         cmd_reader, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_writer = ctx.Pipe(duplex=False)
@@ -215,9 +223,10 @@ class ProcessTransport:
             while True:
                 on_event(self._out_conn.recv())
         except (EOFError, OSError):
-            pass  # the child exited (or stop closed the pipe)
+            pass  # the child closed its pipe (its loop ended, or it was killed)
         except BaseException:  # noqa: BLE001 - a bad event must still fail the requests
             logger.exception("engine reader thread failed")
+        self._events_ended.set()
         self._proc.join(1.0)
         on_closed(f"the engine process exited (exit code {self._proc.exitcode})")
 
@@ -240,11 +249,16 @@ class ProcessTransport:
         return message.info, message.stats
 
     def _stop_process(self, timeout_s: float) -> None:
-        """Join the child for `timeout_s`, then terminate it (and kill it if it still lives)."""
+        """Wait up to `timeout_s` for the child to close its event pipe, then up to `_EXIT_S`
+        for it to exit; terminate it (and kill it if it still lives) when a wait runs out."""
         proc = self._proc
-        proc.join(timeout_s)
-        if proc.is_alive():
+        if self._events_closed(timeout_s):
+            proc.join(_EXIT_S)
+            if proc.is_alive():
+                logger.warning("engine process did not exit in %.1f s; terminating it", _EXIT_S)
+        elif proc.is_alive():
             logger.warning("engine process did not stop in %.1f s; terminating it", timeout_s)
+        if proc.is_alive():
             proc.terminate()
             proc.join(2.0)
         if proc.is_alive():
@@ -259,6 +273,20 @@ class ProcessTransport:
             reader.join(2.0)
         for conn in (self._cmd_conn, self._out_conn):
             conn.close()
+
+    def _events_closed(self, timeout_s: float) -> bool:
+        """Whether the child closed its event pipe (its loop or startup is over; a killed
+        child's closes too) within `timeout_s`: the reader thread read EOF, or before `start`,
+        the pipe reads EOF (anything still in it is dropped)."""
+        if self._reader is not None:
+            return self._events_ended.wait(timeout_s)
+        deadline_s = time.monotonic() + timeout_s
+        try:
+            while self._out_conn.poll(max(0.0, deadline_s - time.monotonic())):
+                self._out_conn.recv()
+        except (EOFError, OSError):
+            return True
+        return False
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
