@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from sits.core.errors import InvalidParameterError
@@ -105,6 +105,10 @@ class EngineConfig:
             of an unquantized checkpoint, `sits.models.precision_twin`) and let the operator
             switch which set runs between two steps (`AsyncLLM.set_precision`). Refused with
             `quantization` set (the checkpoint's own scheme is checked at load).
+        cpu_threads: torch's intra-op threads on a CPU device (`cpu_threads_of`): None (the
+            default) = $SITS_CPU_THREADS, else torch's own count when OMP_NUM_THREADS or
+            MKL_NUM_THREADS is set, else DEFAULT_CPU_THREADS; 0 = leave torch's setting as
+            it is (e.g. your own `torch.set_num_threads`); N > 0 = N threads.
     """
 
     model: str
@@ -132,6 +136,7 @@ class EngineConfig:
     precision_switch: str | None = None
     tpot_pacing_fraction: float = 0.9
     tpot_pacing_min_prefill_tokens: int = 0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -181,6 +186,10 @@ class EngineConfig:
             raise InvalidParameterError(
                 "tpot_pacing_fraction",
                 f"tpot_pacing_fraction must be in (0, 1], got {self.tpot_pacing_fraction}",
+            )
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise InvalidParameterError(
+                "cpu_threads", f"cpu_threads must be >= 0, got {self.cpu_threads}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
@@ -251,6 +260,13 @@ OTEL_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_
 OTEL_SAMPLER_ARG_ENV = "OTEL_TRACES_SAMPLER_ARG"
 OTEL_SDK_DISABLED_ENV = "OTEL_SDK_DISABLED"
 TRACING_ENVS = (*OTEL_ENDPOINT_ENVS, OTEL_SAMPLER_ARG_ENV, OTEL_SDK_DISABLED_ENV)
+CPU_THREADS_ENV = "SITS_CPU_THREADS"
+TORCH_THREADS_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+CPU_THREADS_ENVS = (CPU_THREADS_ENV, *TORCH_THREADS_ENVS)
+# One thread: on a 2-core machine torch's default (2) gave 81-984 output tok/s, varying with
+# the other load, and 1 thread 1,105-1,263 (`sits bench throughput --random-weights
+# tiny-llama`, 32 x 64 in / 64 out; README "CPU threads").
+DEFAULT_CPU_THREADS = 1
 
 ENVIRONMENT_VARIABLES: dict[str, str] = {
     CACHE_DIR_ENV: "directory of locally made artifacts (the demo model; ~/.cache/sits)",
@@ -266,6 +282,9 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     OTEL_ENDPOINT_ENVS[1]: "OpenTelemetry: OTLP endpoint (turns tracing on)",
     OTEL_SAMPLER_ARG_ENV: "OpenTelemetry: the traces' sample ratio",
     OTEL_SDK_DISABLED_ENV: "OpenTelemetry: 'true' turns tracing off",
+    CPU_THREADS_ENV: "torch threads of the engine on a CPU (default 1; 0: torch's own count)",
+    TORCH_THREADS_ENVS[0]: "OpenMP threads: when set, the engine keeps torch's thread count",
+    TORCH_THREADS_ENVS[1]: "MKL threads: when set, the engine keeps torch's thread count",
 }
 
 
@@ -291,3 +310,29 @@ def child_process_env(*, without: Iterable[str] = ()) -> dict[str, str]:
 def sits_cache_dir() -> str:
     """Directory for locally made artifacts (demo model): $SITS_CACHE_DIR or ~/.cache/sits."""
     return env_value(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "sits")
+
+
+def cpu_threads_of(cpu_threads: int | None, env: Mapping[str, str]) -> int | None:
+    """The torch intra-op thread count the engine sets on a CPU device; None: leave torch's.
+
+    The first of: `cpu_threads` when given; $SITS_CPU_THREADS; torch's own count (None) when
+    OMP_NUM_THREADS or MKL_NUM_THREADS is set (the user chose, and torch follows them);
+    DEFAULT_CPU_THREADS. A 0 from `cpu_threads` or $SITS_CPU_THREADS also gives None.
+
+    Args:
+        cpu_threads: `EngineConfig.cpu_threads`.
+        env: the set variables of CPU_THREADS_ENVS by name (`env_values(*CPU_THREADS_ENVS)`).
+
+    Raises:
+        InvalidParameterError: $SITS_CPU_THREADS is not an integer >= 0.
+    """
+    if cpu_threads is None and CPU_THREADS_ENV in env:
+        text = env[CPU_THREADS_ENV].strip()
+        if not text.isdigit():
+            raise InvalidParameterError(
+                "cpu_threads", f"{CPU_THREADS_ENV} must be an integer >= 0, got {text!r}"
+            )
+        cpu_threads = int(text)
+    if cpu_threads is None:
+        return None if any(name in env for name in TORCH_THREADS_ENVS) else DEFAULT_CPU_THREADS
+    return cpu_threads or None

@@ -4,6 +4,8 @@ With `load_format="dummy"` the engine reads a dummy directory (`sits.models.dumm
 the checkpoint's config files, so the runner's loader makes seeded random weights on the
 device; with `skip_tokenizer_init` no tokenizer is loaded (`EngineParts.tokenizer` is None).
 Also maps the user-facing tenant config (`sits.tenancy`) to the scheduler's `TenantPolicy`s.
+On a CPU device it sets torch's intra-op threads (`sits.config.cpu_threads_of`: 1 by default,
+a process-wide setting) before the model loads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from sits.config import EngineConfig
+import torch
+
+from sits.config import CPU_THREADS_ENVS, EngineConfig, cpu_threads_of, env_values
 from sits.engine.core import EngineCore
 from sits.engine.tokenizer import Tokenizer
 from sits.models.dummy import prepare_dummy_dir
@@ -83,6 +87,8 @@ def build_engine(
         tokenizer = Tokenizer(tokenizer_dir)
     if config.load_format == "dummy":
         info = dataclasses.replace(info, model_dir=prepare_dummy_dir(model_dir, config.seed))
+    if info.device.type == "cpu":
+        _set_cpu_threads(config)
     core = EngineCore(config, info, tenant_policies)
     runner = core.runner
     quant = model_quant_config(runner.model)
@@ -103,3 +109,15 @@ def build_engine(
         info.max_model_len,
     )
     return EngineParts(core, tokenizer, info)
+
+
+def _set_cpu_threads(config: EngineConfig) -> None:
+    """Set torch's intra-op threads as `cpu_threads_of` says (nothing when it says None).
+
+    Raises:
+        InvalidParameterError: a bad $SITS_CPU_THREADS.
+    """
+    threads = cpu_threads_of(config.cpu_threads, env_values(*CPU_THREADS_ENVS))
+    if threads is not None and threads != torch.get_num_threads():
+        logger.debug("torch threads on the CPU: %d -> %d", torch.get_num_threads(), threads)
+        torch.set_num_threads(threads)
