@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = runner.model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm = random_prompts(4, args.input_len, vocab, seed=1)
-    llm.generate([{"prompt_token_ids": w} for w in warm], params)
+    llm.generate([{"prompt_token_ids": w} for w in warm], params, use_tqdm=False)
     spans.clear()
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     seen: dict[str, int] = collections.Counter()
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sync_debug and on_gpu:
             torch.cuda.set_sync_debug_mode("warn")
         start_s = time.perf_counter()
-        llm.generate([{"prompt_token_ids": q} for q in prompts], params)
+        llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
         wall_s = time.perf_counter() - start_s
         if on_gpu:
             torch.cuda.set_sync_debug_mode(0)

@@ -200,7 +200,7 @@ def run_case(
     prompts = workload(batch_size, llm.engine_core.runner.model.arch.vocab_size, seed)
     timer = StepTimer()
     with instrumented(llm, timer, null_forward):
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         timer.finish(time.perf_counter())
     decode = [r for r in timer.records if r.decode and r.loop_s > 0]
     assert decode, "no pure decode step was timed"
@@ -239,7 +239,7 @@ def profile(llm: Any, batch_size: int, sampling: str, output_len: int, top: int)
     with instrumented(llm, timer, null_forward=True):
         prof = cProfile.Profile()
         prof.enable()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, use_tqdm=False)
         prof.disable()
     num_steps = len(timer.records)
     print(f"\n### cProfile: batch {batch_size}, {sampling}, null forward ({num_steps} steps)")
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     llm = build_llm(max(max(args.batch_sizes), args.profile or 1), args.seed)
     vocab_size = llm.engine_core.runner.model.arch.vocab_size
-    llm.generate(workload(4, vocab_size, 1), _params_warmup())  # warm-up
+    llm.generate(workload(4, vocab_size, 1), _params_warmup(), use_tqdm=False)  # warm-up
     if args.profile is not None:
         for sampling in args.sampling:
             profile(llm, args.profile, sampling, args.output_len, args.top)

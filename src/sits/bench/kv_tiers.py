@@ -152,7 +152,11 @@ def run_once(config: EngineConfig, args: argparse.Namespace, prompts: list[list[
 def _warm_up(llm: Any, prompt: list[int]) -> None:
     """One short untimed request (first-call costs: allocator, kernels, graphs); its prefix
     is then forgotten so the burst starts with a cold cache."""
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=2))
+    llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=2),
+        use_tqdm=False,
+    )
     assert llm.engine_core.scheduler.reset_prefix_cache()
 
 

@@ -75,7 +75,7 @@ def _sequential(llm: Any, prompts: list[list[int]], params: Any) -> list[float]:
     ttfts = []
     for prompt in prompts:
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], params)
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         ttfts.append(time.perf_counter() - start)
     return ttfts
 
@@ -157,7 +157,9 @@ def _run(
     vocab_size = llm.engine_core.runner.model.config.vocab_size
     prompts = _prompts(args, vocab_size)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][: args.suffix_len + 1]}], params)  # warm-up
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][: args.suffix_len + 1]}], params, use_tqdm=False
+    )  # warm-up
     runs = {}
     for arrival in arrivals:
         # Every pattern starts from an empty cache (the warm-up's or the previous pattern's
