@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -21,8 +21,7 @@ import openai
 from sits.server.app import build_app
 from sits.server.context import ServerSettings
 from sits.server.uvicorn_server import DrainingServer, make_server
-
-_START_TIMEOUT_S = 120.0
+from tests.waits import HANG_S, wait_until
 
 
 class LiveServer:
@@ -74,22 +73,27 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self._thread.start()
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not (self.server is not None and self.server.started):
-            if self.error is not None or not self._thread.is_alive():
-                raise RuntimeError(f"server failed to start: {self.error!r}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.02)
+
+        def started_or_failed() -> bool:
+            failed = self.error is not None or not self._thread.is_alive()
+            return failed or (self.server is not None and self.server.started)
+
+        if not wait_until(started_or_failed):
+            raise TimeoutError(f"server did not start in {HANG_S:.0f} s")
+        if not (self.server is not None and self.server.started):
+            raise RuntimeError(f"server failed to start: {self.error!r}")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def stop(self) -> None:
+        """Stop the server and wait for its shutdown (the engine's included) to end."""
         if self.server is not None:
             self.server.should_exit = True
-        self._thread.join(60)
+        self._thread.join(HANG_S)
+        if self._thread.is_alive():
+            raise TimeoutError(f"server did not stop in {HANG_S:.0f} s")
 
     @property
     def lifecycle(self) -> Any:
@@ -108,7 +112,7 @@ class LiveServer:
 
     def http(self, **kwargs: Any) -> httpx.Client:
         """A plain HTTP client for raw requests."""
-        kwargs.setdefault("timeout", 60)
+        kwargs.setdefault("timeout", HANG_S)
         return httpx.Client(base_url=self.base_url, **kwargs)
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -116,14 +120,9 @@ class LiveServer:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float = HANG_S) -> bool:
         """Poll `predicate` every 10 ms for up to `timeout_s`; returns its last value."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.01)
-        return predicate()
+        return wait_until(predicate, timeout_s)
 
 
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -143,3 +142,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str) -> None:
+    """Wait until the server process `proc` answers 200 on `base_url`/health (its model
+    loaded), up to `HANG_S`.
+
+    Raises:
+        AssertionError: the process exited first.
+        TimeoutError: it never answered.
+    """
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"the server exited during startup ({proc.returncode})"
+        try:
+            return httpx.get(f"{base_url}/health", timeout=HANG_S).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    if not wait_until(healthy):
+        raise TimeoutError(f"the server did not become healthy in {HANG_S:.0f} s")

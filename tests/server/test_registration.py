@@ -35,10 +35,11 @@ from sits.server.context import ServerSettings
 from sits.server.lifecycle import ServerLifecycle
 from sits.server.registration import FleetRegistration, RegistrationSettings
 from tests.server.live import LiveServer, free_port
+from tests.waits import HANG_S
 
 ROUTER_KEY = "router-secret"
 PROMPT = "def fibonacci(n):"
-_WAIT_S = 60.0
+_WAIT_S = HANG_S
 
 
 def _sync(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -465,14 +466,14 @@ def test_sits_serve_registers_and_deregisters_on_sigterm(tiny_moe_dir: Path, tmp
         with open(tmp_path / "serve.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
-                router.wait(lambda r: len(r.posts) >= 1 or proc.poll() is not None, 120)
+                router.wait(lambda r: len(r.posts) >= 1 or proc.poll() is not None)
                 assert proc.poll() is None, (tmp_path / "serve.log").read_text()
                 assert router.posts[0][0] == REGISTER_PATH
                 assert router.posts[0][1]["url"] == f"http://127.0.0.1:{port}"
                 assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
                 proc.send_signal(signal.SIGTERM)
                 router.wait(lambda r: DEREGISTER_PATH in r.paths())
-                assert proc.wait(60) == 0
+                assert proc.wait(HANG_S) == 0
             finally:
                 if proc.poll() is None:
                     proc.kill()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import types
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from sits.server.uvicorn_server import DrainingServer
-from tests.server.live import free_port
+from tests.server.live import free_port, wait_healthy
+from tests.waits import HANG_S, wait_until
 
 PROMPT = "def fibonacci(n):"
-_START_TIMEOUT_S = 90.0
 
 
 class ServeProcess:
@@ -44,18 +43,6 @@ class ServeProcess:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "sits serve exited during startup"
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("sits serve did not become healthy")
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -72,7 +59,7 @@ def serve_factory(tiny_moe_dir, tmp_path):
             tiny_moe_dir, shutdown_timeout_s, tmp_path / f"serve{len(started)}.log"
         )
         started.append(process)
-        process.wait_healthy()
+        wait_healthy(process.proc, process.base_url)
         return process
 
     yield start
@@ -93,7 +80,7 @@ class _Stream(threading.Thread):
     def run(self) -> None:
         try:
             with (
-                httpx.Client(base_url=self.base_url, timeout=120) as http,
+                httpx.Client(base_url=self.base_url, timeout=HANG_S) as http,
                 http.stream("POST", "/v1/completions", json=self.body) as resp,
             ):
                 assert resp.status_code == 200
@@ -111,23 +98,23 @@ def _start_streams(base_url: str, body: dict, count: int) -> list[_Stream]:
     for stream in streams:
         stream.start()
     for stream in streams:
-        assert stream.first.wait(60) and stream.error is None
+        assert stream.first.wait(HANG_S) and stream.error is None
     return streams
 
 
 def _refused_while_draining(base_url: str) -> None:
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{base_url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline, "health never turned 503 after SIGTERM"
-        time.sleep(0.02)
+    def draining() -> bool:
+        return httpx.get(f"{base_url}/health", timeout=HANG_S).status_code == 503
+
+    assert wait_until(draining), "health never turned 503 after SIGTERM"
     resp = httpx.post(
-        f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=5
+        f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=HANG_S
     )
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "draining"
 
 
 def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
-    server = serve_factory(shutdown_timeout_s=60)
+    server = serve_factory(shutdown_timeout_s=HANG_S)  # the streams end well before
     body = {
         "prompt": PROMPT,
         "max_tokens": 150,
@@ -139,11 +126,11 @@ def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
     server.proc.send_signal(signal.SIGTERM)
     _refused_while_draining(server.base_url)
     for stream in streams:
-        stream.join(60)
+        stream.join(HANG_S)
         assert stream.error is None
         assert stream.events[-1] == "[DONE]"
         assert json.loads(stream.events[-2])["usage"]["completion_tokens"] == 150
-    assert server.proc.wait(30) == 0
+    assert server.proc.wait(HANG_S) == 0
 
 
 def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
@@ -151,12 +138,12 @@ def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
     body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     (stream,) = _start_streams(server.base_url, body, 1)
     server.proc.send_signal(signal.SIGTERM)
-    stream.join(60)
+    stream.join(HANG_S)
     assert stream.error is None
     assert stream.events[-1] == "[DONE]"
     error = json.loads(stream.events[-2])["error"]
     assert error["code"] == "draining" and error["type"] == "service_unavailable_error"
-    assert server.proc.wait(30) == 0
+    assert server.proc.wait(HANG_S) == 0
 
 
 def test_a_signal_after_the_engines_death_is_noted_then_a_second_one_forces() -> None:

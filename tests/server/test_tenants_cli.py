@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,8 @@ from sits.cli.serve import EXIT_BAD_CONFIG, add_serve_parser, load_tenants_arg, 
 from sits.core.errors import InvalidParameterError
 from sits.tenancy import TenantConfigError, hash_api_key
 from tests.server.conftest import KV_CACHE_BYTES
-from tests.server.live import free_port, metric_samples
+from tests.server.live import free_port, metric_samples, wait_healthy
+from tests.waits import HANG_S
 
 GOOD = f"""
 [[tenants]]
@@ -53,7 +53,7 @@ def test_malformed_tenants_file_exits_2_naming_line_and_field(tmp_path: Path) ->
     bad = tmp_path / "bad.toml"
     bad.write_text(BAD_TIER.format("a" * 64))
     cmd = [sys.executable, "-m", "sits.cli.main", "serve", "--tenants", str(bad)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == EXIT_BAD_CONFIG == 2
     assert f"{bad}:4: tenants[0] field 'tier': tier must be one of" in proc.stderr
     unknown = tmp_path / "unknown.toml"
@@ -93,18 +93,6 @@ def test_tenants_flags_and_their_conflict_with_an_api_key(tmp_path: Path, capsys
     assert "exclude each other" in capsys.readouterr().err
 
 
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-
-
 def test_sits_serve_with_tenants_end_to_end(tiny_moe_dir: Path, tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(GOOD)
@@ -120,13 +108,13 @@ def test_sits_serve_with_tenants_end_to_end(tiny_moe_dir: Path, tmp_path: Path) 
     base = f"http://127.0.0.1:{port}"
     body = {"prompt": [11 + i for i in range(40)], "max_tokens": 3}
     try:
-        _wait_healthy(proc, base)
+        wait_healthy(proc, base)
         assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
         pay = {"Authorization": "Bearer pay-key"}
         search = {"Authorization": "Bearer search-key"}
-        first = httpx.post(f"{base}/v1/completions", json=body, headers=pay, timeout=60)
-        again = httpx.post(f"{base}/v1/completions", json=body, headers=pay, timeout=60)
-        other = httpx.post(f"{base}/v1/completions", json=body, headers=search, timeout=60)
+        first = httpx.post(f"{base}/v1/completions", json=body, headers=pay, timeout=HANG_S)
+        again = httpx.post(f"{base}/v1/completions", json=body, headers=pay, timeout=HANG_S)
+        other = httpx.post(f"{base}/v1/completions", json=body, headers=search, timeout=HANG_S)
         assert first.status_code == again.status_code == other.status_code == 200
         responses = (first, again, other)
         cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses]
@@ -142,7 +130,7 @@ def test_sits_serve_with_tenants_end_to_end(tiny_moe_dir: Path, tmp_path: Path) 
         ok = (("outcome", "ok"), ("tenant", "payments"))
         assert samples[("sits:tenant_requests_total", ok)] == 2
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(HANG_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
