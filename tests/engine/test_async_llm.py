@@ -9,8 +9,6 @@ module-scoped (one per mode) and the tests that need their own engine are few.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.llm import LLM
 from sits.engine.messages import AddRequest
+from tests.waits import async_wait_until, wait_until
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 2
@@ -70,15 +69,6 @@ async def _collect(engine: AsyncLLM, request_id: str, ids: list[int], params: Sa
     return [out async for out in engine.generate(request_id, ids, params)]
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_pid_names_the_engine_process_only(engine: AsyncLLM) -> None:
     assert (engine.pid is None) == (engine.engine_core is not None)
 
@@ -107,9 +97,7 @@ def test_abort_frees_blocks(engine: AsyncLLM, run) -> None:
         gen = engine.generate("cut", list(range(3, 40)), params)
         await gen.__anext__()
         await gen.aclose()
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline and engine.stats().num_running:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: engine.stats().num_running == 0)
 
     run(scenario())
     stats = engine.stats()
@@ -124,10 +112,7 @@ def test_abort_frees_the_request(engine: AsyncLLM, run) -> None:
     async def scenario() -> None:
         gen = engine.generate("cut-2", list(range(3, 40)), long)
         await gen.__anext__()
-        deadline = time.monotonic() + 5
-        while engine.stats().num_running != 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        assert engine.stats().num_running == 1
+        assert await async_wait_until(lambda: engine.stats().num_running == 1)
         assert engine.stats().num_free_blocks < total
         await gen.aclose()
         other = engine.generate("aborted", list(range(3, 40)), long)
@@ -141,7 +126,7 @@ def test_abort_frees_the_request(engine: AsyncLLM, run) -> None:
         stats = engine.stats()
         return stats.num_running, stats.num_waiting, stats.num_free_blocks
 
-    assert _wait(lambda: load() == (0, 0, total), 5.0), load()
+    assert wait_until(lambda: load() == (0, 0, total)), load()
 
 
 def test_too_long_raises_before_output(engine: AsyncLLM, run) -> None:
@@ -168,7 +153,7 @@ def test_outputs_for_a_closed_loop_never_kill_the_engine(engine: AsyncLLM, run) 
     outs = run(_collect(engine, "after-closed-loop", list(range(3, 12)), params))
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
     assert engine.is_healthy()
-    assert _wait(lambda: engine.stats().num_running + engine.stats().num_waiting == 0, 5)
+    assert wait_until(lambda: engine.stats().num_running + engine.stats().num_waiting == 0)
 
 
 def test_stats_show_running_and_waiting(engine: AsyncLLM, run) -> None:
@@ -178,30 +163,32 @@ def test_stats_show_running_and_waiting(engine: AsyncLLM, run) -> None:
         gens = [engine.generate(f"load-{i}", list(range(3, 20)), long) for i in range(3)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        deadline = time.monotonic() + 5
-        stats = engine.stats()
-        while (stats.num_running, stats.num_waiting) != (2, 1) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+
+        def counts() -> tuple[int, int]:
             stats = engine.stats()
+            return stats.num_running, stats.num_waiting
+
+        await async_wait_until(lambda: counts() == (2, 1))
+        seen = counts()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for gen in gens:
             await gen.aclose()
-        return stats.num_running, stats.num_waiting
+        return seen
 
     assert run(scenario()) == (MAX_NUM_SEQS, 1)
-    assert _wait(lambda: engine.stats().num_running + engine.stats().num_waiting == 0, 5)
+    assert wait_until(lambda: engine.stats().num_running + engine.stats().num_waiting == 0)
 
 
 def test_set_borrowing_tiers_reaches_the_loop(engine: AsyncLLM) -> None:
     engine.set_borrowing_tiers(["guaranteed"])
-    assert _wait(lambda: engine.stats().borrowing_tiers == ("guaranteed",), 5.0)
+    assert wait_until(lambda: engine.stats().borrowing_tiers == ("guaranteed",))
     with pytest.raises(ValueError):
         engine.set_borrowing_tiers(["gold"])
     engine.set_borrowing_tiers(["best_effort", "guaranteed", "burstable"])
     everyone = ("guaranteed", "burstable", "best_effort")
-    assert _wait(lambda: engine.stats().borrowing_tiers == everyone, 5.0)
+    assert wait_until(lambda: engine.stats().borrowing_tiers == everyone)
 
 
 def test_expert_calls_and_prefill_chunks(engine: AsyncLLM, run) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.async_mp import AsyncMPLLM
 from sits.engine.messages import pack_error, unpack_error
+from tests.waits import wait_until
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 2
@@ -150,16 +150,7 @@ def test_stop_string_finishes_in_the_child(run, thread_engine, mp_engine) -> Non
         stop,
     )
     assert len(got.token_ids) < 24
-    assert _wait(lambda: mp_engine.stats().num_running == 0, 5.0)
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+    assert wait_until(lambda: mp_engine.stats().num_running == 0)
 
 
 def _error_of(fn: Callable[[], Any]) -> BaseException:

@@ -18,6 +18,7 @@ from sits.engine.requests import make_engine_requests
 from sits.sched.config import TenantPolicy, TenantTier
 from sits.sched.pacing import TpotPacer
 from sits.tenancy import TenantConfig, TenantsConfig, Tier, hash_api_key
+from tests.waits import HANG_S, async_wait_until
 
 BLOCK_BYTES = 8192  # tiny llama: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 B
 NUM_BLOCKS = 33  # 32 usable blocks besides the null block
@@ -192,7 +193,7 @@ def test_borrowing_tiers_reach_the_engine_thread(tiny_model_factory) -> None:
         await asyncio.sleep(0.3)
         assert engine.stats().num_steps - num_steps <= 5  # it waits for a command, no spinning
         engine.set_borrowing_tiers([Tier.GUARANTEED, Tier.BURSTABLE, Tier.BEST_EFFORT])
-        assert await asyncio.wait_for(task, 30) == 3
+        assert await asyncio.wait_for(task, HANG_S) == 3
         assert engine.stats().borrowing_tiers == ("guaranteed", "burstable", "best_effort")
         with pytest.raises(ValueError):
             engine.set_borrowing_tiers(["gold"])
@@ -208,11 +209,8 @@ async def _drain(gen) -> int:
     return num_tokens
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+async def _until(predicate) -> None:
+    assert await async_wait_until(predicate), "condition not reached"
 
 
 def test_a_first_token_at_risk_lifts_tpot_pacing_for_its_prompt(

@@ -57,7 +57,7 @@ class Traces:
     def take(self, num_traces: int) -> list[ReadableSpan]:
         """Wait for `num_traces` more traces to end; the spans exported for them."""
         self.num_seen += num_traces
-        assert self.live.wait_until(lambda: self.num_decided >= self.num_seen, 30)
+        assert self.live.wait_until(lambda: self.num_decided >= self.num_seen)
         assert self.num_decided == self.num_seen
         assert ctx_of(self.live).tracer.force_flush(30)
         spans = list(self.exporter.get_finished_spans())

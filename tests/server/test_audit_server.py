@@ -65,7 +65,7 @@ def test_audit_one_record_per_request(tmp_path, tiny_moe_dir, engine_factory) ->
             live,
             {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True},
         )
-        assert live.wait_until(lambda: live.engine.stats().num_running == 0, 30)
+        assert live.wait_until(lambda: live.engine.stats().num_running == 0)
     result = verify_log(log)
     assert result.ok, result
     lines = [json.loads(x) for x in log.read_text().splitlines()]

@@ -31,8 +31,9 @@ from sits.server.faults import (
 )
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import ctx_of, scrape
+from tests.waits import HANG_S
 
-_WAIT_S = 60.0
+_WAIT_S = HANG_S
 
 
 @pytest.mark.parametrize(

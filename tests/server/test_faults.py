@@ -11,6 +11,7 @@ import pytest
 
 from sits.server.context import ServerSettings
 from tests.server.live import LiveServer
+from tests.waits import HANG_S
 
 PROMPT = "def fibonacci(n):"
 LONG_STREAM = {
@@ -57,16 +58,16 @@ def test_c17_engine_loop_death(tiny_moe_dir, engine_factory) -> None:
         with http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
             events = _first_event_then(resp, lambda: setattr(live.engine.engine_core, "step", boom))
         _assert_ends_with_error(events, "engine_dead")
-        assert live.wait_until(lambda: http.get("/health").status_code == 503, 5.0)
+        assert live.wait_until(lambda: http.get("/health").status_code == 503)
         _assert_refused(live, "engine_dead")
-        assert live.wait_until(lambda: live.fatal_codes == [1], 5.0)
+        assert live.wait_until(lambda: live.fatal_codes == [1])
 
 
 def test_c17_engine_loop_hang(tiny_moe_dir, engine_factory) -> None:
     release = threading.Event()
 
     def hang(*args) -> list:
-        release.wait(30)
+        release.wait(HANG_S)
         return []
 
     make_engine = engine_factory(tiny_moe_dir, health_timeout_s=1.0, step_timeout_s=1.0)
@@ -81,13 +82,13 @@ def test_c17_engine_loop_hang(tiny_moe_dir, engine_factory) -> None:
 
                 def hang_engine() -> None:
                     pending.start()
-                    live.wait_until(lambda: live.engine.stats().num_running == 2, 5.0)
+                    live.wait_until(lambda: live.engine.stats().num_running == 2)
                     live.engine.engine_core.step = hang
 
                 events = _first_event_then(resp, hang_engine)
             # The stream and the non-streamed request in flight both fail once the loop hangs.
             _assert_ends_with_error(events, "engine_dead")
-            pending.join(10)
+            pending.join(HANG_S)
             assert results[0].status_code == 503
             assert results[0].json()["error"]["code"] == "engine_dead"
             _assert_refused(live, "engine_dead")
@@ -113,7 +114,7 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
             if not slow.is_set():
                 slow.set()
                 threading.Event().wait(2.5)  # longer than the 1 s health timeout
-                polled_during.wait(120)  # and long enough for the poller, however busy
+                polled_during.wait(HANG_S)  # and long enough for the poller, however busy
             return step(*args)
 
         core.step = slow_once
@@ -137,7 +138,7 @@ def test_a_long_step_is_not_a_hung_loop(tiny_moe_dir, engine_factory) -> None:
             resp = http.post("/v1/completions", json=body)
         finally:
             done.set()
-            poller.join(5)
+            poller.join(HANG_S)
         assert slow.is_set()
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
         assert during == [200, 200, 200]  # polled inside the long step: healthy throughout
@@ -174,14 +175,14 @@ def test_drain_finishes_open_streams_and_refuses_new_requests(tiny_moe_dir, engi
 
         def start_drain() -> None:
             drained.append(live.submit(live.lifecycle.drain()))
-            live.wait_until(lambda: live.lifecycle.draining, 5.0)
+            live.wait_until(lambda: live.lifecycle.draining)
             _assert_refused(live, "draining")
 
         with http.stream("POST", "/v1/completions", json=body) as resp:
             events = _first_event_then(resp, start_drain)
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 120
-        assert drained[0].result(30) is True
+        assert drained[0].result(HANG_S) is True
 
 
 def test_drain_timeout_cuts_open_streams(tiny_moe_dir, engine_factory) -> None:
@@ -194,8 +195,8 @@ def test_drain_timeout_cuts_open_streams(tiny_moe_dir, engine_factory) -> None:
                 resp, lambda: drained.append(live.submit(live.lifecycle.drain()))
             )
         _assert_ends_with_error(events, "draining")
-        assert drained[0].result(30) is False
-        assert live.wait_until(lambda: live.engine.stats().num_free_blocks == total, 2.0)
+        assert drained[0].result(HANG_S) is False
+        assert live.wait_until(lambda: live.engine.stats().num_free_blocks == total)
 
 
 def test_engine_death_stops_the_server_with_exit_code_1(tiny_moe_dir, engine_factory) -> None:
@@ -207,5 +208,5 @@ def test_engine_death_stops_the_server_with_exit_code_1(tiny_moe_dir, engine_fac
         with live.http() as http:
             resp = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert resp.status_code == 503
-        assert live.wait_until(lambda: live.stopped, 15.0)
+        assert live.wait_until(lambda: live.stopped)
         assert live.server.exit_code == 1

@@ -70,10 +70,10 @@ def run(tiny_moe_dir):
     )
     with LiveServer(tenant_engine(tiny_moe_dir, TENANTS), settings) as live:
         first = _run_batch(live, 0)
-        assert live.wait_until(lambda: live.engine.stats().num_running == 0, 10)
+        assert live.wait_until(lambda: live.engine.stats().num_running == 0)
         scrape1 = _scrape(live)
         second = _run_batch(live, len(BATCH))
-        assert live.wait_until(lambda: live.engine.stats().num_running == 0, 10)
+        assert live.wait_until(lambda: live.engine.stats().num_running == 0)
         scrape2 = _scrape(live)
         yield live, first + second, scrape1, scrape2
 

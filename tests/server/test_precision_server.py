@@ -172,7 +172,7 @@ def test_audit_fields_and_header_across_a_switch(tmp_path, tiny_moe_dir, engine_
 
         thread = threading.Thread(target=post_whole)
         thread.start()
-        assert live.wait_until(lambda: live.engine.stats().num_running == 1, 10)
+        assert live.wait_until(lambda: live.engine.stats().num_running == 1)
         with live.http() as http:
             switch(http, "fp32")
         thread.join(30)
@@ -199,9 +199,9 @@ def test_overload_policy_switches_the_engine(tiny_moe_dir, engine_factory) -> No
             qos.force_overload_state(state)
 
         live.submit(force(OverloadState.RED)).result(5)
-        assert live.wait_until(lambda: live.engine.state.current == "int4", 10)
+        assert live.wait_until(lambda: live.engine.state.current == "int4")
         live.submit(force(OverloadState.GREEN)).result(5)
-        assert live.wait_until(lambda: live.engine.state.current == "fp32", 10)
+        assert live.wait_until(lambda: live.engine.state.current == "fp32")
         with live.http() as http:
             state = http.get(PATH, headers=AUTH).json()
         assert state["num_switches"] == 2 and state["policy"]["name"] == "overload"
