@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import sits.engine.engine_loop as engine_loop
 from sits.engine.messages import AddRequest, StatsUpdate
 from sits.engine.process_transport import ProcessTransport
 from tests.engine.fake_pipes import Inbox
+from tests.waits import HANG_S
 
 
 class _BlockingConn:
@@ -38,14 +38,16 @@ def test_sends_never_block_the_caller_and_keep_their_order() -> None:
     transport = _writer_side(conn := _BlockingConn())
     writer = threading.Thread(target=transport._write_loop, daemon=True)
     writer.start()
-    start = time.monotonic()
-    for i in range(1000):
-        transport.send(AddRequest(f"r{i}", ()))
-    assert time.monotonic() - start < 5.0  # the writer is blocked; the caller never was
+    caller = threading.Thread(
+        target=lambda: [transport.send(AddRequest(f"r{i}", ())) for i in range(1000)]
+    )
+    caller.start()
+    caller.join(HANG_S)
+    assert not caller.is_alive()  # the writer is blocked; the caller never was
     assert conn.sent == []
     conn.release.set()
     transport._outbox.put(None)
-    writer.join(5.0)
+    writer.join(HANG_S)
     assert not writer.is_alive()
     assert conn.sent == [AddRequest(f"r{i}", ()) for i in range(1000)]
 
