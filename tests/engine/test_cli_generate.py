@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests.waits import HANG_S
+
 
 def test_sits_generate_prints_text(tiny_model_factory) -> None:
     model_dir = tiny_model_factory("qwen3_moe")
     cmd = [sys.executable, "-m", "sits.cli.main", "generate", "--model", str(model_dir)]
     cmd += ["--prompt", "hi", "--max-tokens", "8", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["prompt"] == "hi"

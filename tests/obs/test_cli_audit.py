@@ -15,6 +15,7 @@ from sits.cli.audit import add_audit_parser
 from sits.obs.audit import AuditLogError
 from sits.obs.audit_writer import AuditWriter, AuditWriterConfig
 from tests.obs.records import make_record, write_log
+from tests.waits import HANG_S
 
 
 def _run(argv: list[str]) -> int:
@@ -167,7 +168,7 @@ def test_show_into_a_closed_pipe_exits_quietly(log_path: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # `| head` that has read enough
     err = proc.stderr.read().decode()
-    assert proc.wait(60) == 0
+    assert proc.wait(HANG_S) == 0
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,8 @@ import sits.demo as demo
 from sits.cli.serve import add_serve_parser, engine_config_kwargs, resolve_api_key
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError
-from tests.server.live import free_port
+from tests.server.live import free_port, wait_healthy
+from tests.waits import HANG_S
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -119,15 +119,7 @@ def test_sits_serve_without_a_model_serves_the_demo(demo_cache, tmp_path) -> Non
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": "Bearer demo-key"}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(proc, base)
         assert httpx.get(f"{base}/v1/models").status_code == 401  # key from SITS_API_KEY
         card = httpx.get(f"{base}/v1/models", headers=headers).json()["data"][0]
         random_expected = not (demo.packaged_demo_dir() / "config.json").is_file()
@@ -136,10 +128,10 @@ def test_sits_serve_without_a_model_serves_the_demo(demo_cache, tmp_path) -> Non
         if random_expected:
             assert "RANDOM" in card["description"]
         body = {"model": "sits-demo", "prompt": "def fibonacci(n):", "max_tokens": 8}
-        out = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
+        out = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=HANG_S)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 8
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(HANG_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -223,7 +215,7 @@ def test_a_free_port_passes_the_check_and_stays_free() -> None:
 def test_sits_serve_on_a_busy_port_exits_2_with_the_reason(busy_port) -> None:
     cmd = [sys.executable, "-m", "sits.cli.main", "serve", "--model", "/does/not/exist"]
     proc = subprocess.run(
-        [*cmd, "--port", str(busy_port)], capture_output=True, text=True, timeout=120
+        [*cmd, "--port", str(busy_port)], capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 2
     assert f"error: port {busy_port} on 127.0.0.1 is in use" in proc.stderr

@@ -24,6 +24,7 @@ from sits.tenancy import TenantsConfig
 from tests.server.browser import headless_chromium
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, tenant, tenant_engine
+from tests.waits import HANG_S
 
 PRICE_PER_HOUR = 1.5
 ADMIN_KEY = "sk-admin-dashboard"  # with tenants, recent requests are shown to the admin only
@@ -50,7 +51,7 @@ def _complete(base_url: str, index: int) -> dict[str, Any]:
     tenant_id, prompt_len, max_tokens, n = RUN[index]
     prompt = [3 + index + (i * 29) % 350 for i in range(prompt_len)]
     body = {"prompt": prompt, "max_tokens": max_tokens, "n": n, "ignore_eos": True}
-    with httpx.Client(base_url=base_url, timeout=120) as http:
+    with httpx.Client(base_url=base_url, timeout=HANG_S) as http:
         response = http.post("/v1/completions", json=body, headers=auth(tenant_id))
     assert response.status_code == 200, response.text
     return {"tenant": tenant_id, "prompt_len": prompt_len, "n": n, **response.json()}
@@ -69,7 +70,7 @@ def run(tiny_moe_dir):
     with LiveServer(engine, settings) as live:
         with ThreadPoolExecutor(len(RUN)) as pool:
             responses = list(pool.map(lambda i: _complete(live.base_url, i), range(len(RUN))))
-        assert live.wait_until(lambda: live.engine.stats().num_running == 0, 10)
+        assert live.wait_until(lambda: live.engine.stats().num_running == 0, HANG_S)
         with live.http() as http:
             refused = http.post("/v1/completions", json=REFUSED_BODY, headers=auth("free"))
             assert refused.status_code == 400, refused.text

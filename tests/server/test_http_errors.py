@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.waits import HANG_S
+
 
 @pytest.mark.parametrize(
     ("method", "path", "status"),
@@ -17,21 +19,21 @@ import pytest
     ],
 )
 def test_unknown_route_or_method(server, method: str, path: str, status: int) -> None:
-    response = httpx.request(method, server.base_url + path, timeout=10)
+    response = httpx.request(method, server.base_url + path, timeout=HANG_S)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["code"] in ("not_found", "method_not_allowed")
-    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.base_url + "/health", timeout=HANG_S).status_code == 200
 
 
 def test_nan_temperature_is_rejected(server) -> None:
-    model = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    model = httpx.get(server.base_url + "/v1/models", timeout=HANG_S).json()["data"][0]["id"]
     body = '{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": NaN}'
     response = httpx.post(
         server.base_url + "/v1/completions",
         content=body % model,
         headers={"content-type": "application/json"},
-        timeout=10,
+        timeout=HANG_S,
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
@@ -46,7 +48,7 @@ def test_a_body_that_is_not_utf8_is_a_400_that_says_so(server) -> None:
             server.base_url + path,
             content=body,
             headers={"content-type": "application/json"},
-            timeout=10,
+            timeout=HANG_S,
         )
         assert response.status_code == 400
         assert response.json() == {
