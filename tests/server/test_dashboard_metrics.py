@@ -30,6 +30,7 @@ from tests.server.browser import READ_TENANTS_JS, headless_chromium
 from tests.server.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 from tests.server.live import LiveServer, metric_samples
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, auth, ctx_of, tenant
+from tests.waits import HANG_S
 
 TENANTS = TenantsConfig(
     (
@@ -41,7 +42,6 @@ TENANTS = TenantsConfig(
 BODY = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "ignore_eos": True}
 HELD_BODY = {"prompt": [11, 12, 13, 14], "max_tokens": 4, "ignore_eos": True}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-HANG_S = 600.0  # a wait this long is a hang, however busy the machine
 
 
 class StepGate:
