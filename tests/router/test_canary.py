@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sits.admission.clock import FakeClock
+from sits.admission import FakeClock
 from sits.core.errors import InvalidParameterError
 from sits.router.canary import (
     CanaryConfig,

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from sits.admission.clock import FakeClock
+from sits.admission import FakeClock
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import Heartbeat, ReplicaLoad
 from sits.router.policy import (

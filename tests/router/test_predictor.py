@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sits.admission.clock import FakeClock
+from sits.admission import FakeClock
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import ReplicaLoad
 from sits.router.predictor import LatencyWindow, fallback_needed, predict_ttft_p99_s

@@ -4,8 +4,13 @@ Pure Python with an injected clock; imports no engine, runner, model or server c
 """
 
 from sits.admission.breaker import BreakerConfig, BreakerDecision, BreakerState, CircuitBreaker
-from sits.admission.clock import Clock, FakeClock, SystemClock
-from sits.admission.controller import AdmissionController, TenantAdmissionStats
+from sits.admission.controller import (
+    AdmissionController,
+    Clock,
+    FakeClock,
+    SystemClock,
+    TenantAdmissionStats,
+)
 from sits.admission.decision import (
     AdmissionDecision,
     AdmissionTicket,

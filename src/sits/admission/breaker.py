@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from sits.admission.clock import Clock, SystemClock
+from sits.admission.controller import Clock, SystemClock
 from sits.core.errors import InvalidParameterError
 
 

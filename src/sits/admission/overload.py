@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from sits.admission.clock import Clock, SystemClock
+from sits.admission.controller import Clock, SystemClock
 from sits.core.errors import InvalidParameterError
 from sits.tenancy.config import Tier
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from sits.admission.clock import Clock, SystemClock
+from sits.admission.controller import Clock, SystemClock
 from sits.admission.overload import OverloadState
 from sits.core.errors import InvalidParameterError
 

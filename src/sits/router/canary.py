@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from sits.admission.clock import Clock
+from sits.admission import Clock
 from sits.core.errors import InvalidParameterError
 from sits.router.predictor import LatencyWindow
 

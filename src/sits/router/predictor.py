@@ -15,7 +15,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from sits.admission.clock import Clock
+from sits.admission import Clock
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import ReplicaLoad
 
