@@ -6,7 +6,7 @@ from __future__ import annotations
 from sits.core.outputs import EngineCoreOutput
 from sits.core.request import FinishReason
 from sits.sched import Scheduler
-from sits.sched.checks import engine_output
+from sits.sched.state import engine_output
 from tests.sched.sched_testlib import logprobs_of, make_config, make_request, run_step
 
 

@@ -12,7 +12,7 @@ from sits.core.outputs import TokenLogprobs
 from sits.core.sampling_params import SamplingParams
 
 # An output token sampled on the device whose value the host has not read back yet (async
-# scheduling, `sits.sched.update`): the runner fills it in from the step that sampled it.
+# scheduling, `sits.sched.state`): the runner fills it in from the step that sampled it.
 PLACEHOLDER_TOKEN_ID = -1
 
 

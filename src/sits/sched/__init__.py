@@ -8,9 +8,9 @@ it is plain FCFS. It imports no torch, runner, models, layers, tenancy, engine o
 
 from __future__ import annotations
 
-from sits.sched.checks import check_stop
 from sits.sched.config import SchedulerConfig, TenantPolicy, TenantTier, reserved_amount
 from sits.sched.scheduler import Scheduler
+from sits.sched.state import check_stop
 from sits.sched.tenants import TenantSchedStats
 
 __all__ = [

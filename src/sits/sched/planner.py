@@ -7,7 +7,7 @@ total tokens (prompt + outputs), a prefill chunk or a decode alike, within
    reservation while borrowers hold it preempts those borrowers (recompute or swap), so it
    gets its reservation back in the step it asks for it; the caller may hold a tenant's
    reclaim back (`reclaim_tenants`: the engine waits until its oldest waiting request has
-   used part of its TTFT SLO, `queries.reclaim_due_tenants`), since the slots and blocks that
+   used part of its TTFT SLO, `state.reclaim_due_tenants`), since the slots and blocks that
    finishing requests free go to its protected reservation first, at no recompute cost;
 2. running requests, in admission order (tenant-aware: tenants within their reservation
    first, then by tier and priority, `policy.running_order_key`); a request that cannot get
@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan
 from sits.core.request import Request, RequestStatus
 from sits.kvcache.kv_manager import NO_HIT, PrefixHit
-from sits.sched.checks import is_decode
 from sits.sched.config import TenantTier
 from sits.sched.policy import running_order_key, victim_key
-from sits.sched.state import SchedulerState, release
+from sits.sched.state import SchedulerState, is_decode, release
 from sits.sched.tenants import TenantState
 
 

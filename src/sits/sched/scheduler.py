@@ -2,11 +2,10 @@
 
 The scheduler is one state object and plain functions over it:
 - `sits.sched.state`: `SchedulerState` (requests, running list, tenant book, KV manager, swap
-  planner, counters) and the request lifecycle (add, finish);
+  planner, counters), the request lifecycle (add, finish), applying a computed (or, with
+  async scheduling, launched) step, and read-only views for the engine's policies and stats;
 - `sits.sched.planner`: `plan_step`, the step's decisions (reclaim, running, waiting; the
   rules and invariants are in its docstring);
-- `sits.sched.update`: applying a computed (or, with async scheduling, launched) step;
-- `sits.sched.queries`: read-only views for the engine's policies and stats;
 - `sits.sched.policy`: every order (waiting queues, tenants, running requests, victims).
 `Scheduler` owns one `SchedulerState` and is the API the engine and the tests call; it keeps
 no state of its own.
@@ -24,13 +23,22 @@ from sits.core.plan import StepPlan, StepResult
 from sits.core.request import FinishReason, Request
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
 from sits.kvcache.kv_manager import KVCacheManager, PrefixCacheStats
-from sits.sched import queries
 from sits.sched.config import SchedulerConfig, TenantTier
 from sits.sched.planner import plan_step
-from sits.sched.state import SchedulerState, add_request, finish_requests, new_state
+from sits.sched.state import (
+    SchedulerState,
+    add_request,
+    apply_step_ahead,
+    apply_step_result,
+    finish_requests,
+    new_state,
+    prompt_tokens_at_risk,
+    queued_prefill,
+    reclaim_due_tenants,
+    waiting_request_ids,
+)
 from sits.sched.swap import SwapPlanner
 from sits.sched.tenants import TenantSchedStats
-from sits.sched.update import apply_step_ahead, apply_step_result
 
 
 class Scheduler:
@@ -120,11 +128,11 @@ class Scheduler:
 
     def update_ahead(self, plan: StepPlan) -> None:
         """Async scheduling: apply a launched step before its tokens are known
-        (`update.apply_step_ahead`); `update(plan, result)` completes it."""
+        (`state.apply_step_ahead`); `update(plan, result)` completes it."""
         apply_step_ahead(self.state, plan)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[EngineCoreOutput]:
-        """Apply a computed step (`update.apply_step_result`).
+        """Apply a computed step (`state.apply_step_result`).
 
         Returns:
             One output per scheduled request that got a token, logprobs or prompt logprobs,
@@ -145,25 +153,25 @@ class Scheduler:
         return bool(self.state.requests)
 
     def waiting_request_ids(self) -> list[str]:
-        """Waiting request ids in service order (`queries.waiting_request_ids`)."""
-        return queries.waiting_request_ids(self.state)
+        """Waiting request ids in service order (`state.waiting_request_ids`)."""
+        return waiting_request_ids(self.state)
 
     def queued_prefill(self) -> dict[str, tuple[float | None, int]]:
         """Request tenant id -> (oldest waiting arrival_time or None, tokens still to
-        prefill), for tenant ids with any (`queries.queued_prefill`)."""
-        return queries.queued_prefill(self.state)
+        prefill), for tenant ids with any (`state.queued_prefill`)."""
+        return queued_prefill(self.state)
 
     def prompt_tokens_at_risk(
         self, now_s: float, slack_fraction: float, tenant_ids: Iterable[str]
     ) -> int:
         """Prompt tokens still to compute of requests whose first token is at risk
-        (`queries.prompt_tokens_at_risk`; `now_s`: time.monotonic())."""
-        return queries.prompt_tokens_at_risk(self.state, now_s, slack_fraction, tenant_ids)
+        (`state.prompt_tokens_at_risk`; `now_s`: time.monotonic())."""
+        return prompt_tokens_at_risk(self.state, now_s, slack_fraction, tenant_ids)
 
     def reclaim_due_tenants(self, now_s: float, patience_fraction: float) -> frozenset[str]:
         """Guaranteed tenants that may reclaim their reservation by preemption now
-        (`queries.reclaim_due_tenants`; `now_s`: time.monotonic())."""
-        return queries.reclaim_due_tenants(self.state, now_s, patience_fraction)
+        (`state.reclaim_due_tenants`; `now_s`: time.monotonic())."""
+        return reclaim_due_tenants(self.state, now_s, patience_fraction)
 
     def running_request_ids(self) -> list[str]:
         """Running request ids in running (admission) order."""
