@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sits.sched.policy import WaitingQueue
+from sits.sched.tenants import WaitingQueue
 from tests.sched.sched_testlib import make_request
 
 

@@ -10,8 +10,8 @@ total tokens (prompt + outputs), a prefill chunk or a decode alike, within
    used part of its TTFT SLO, `state.reclaim_due_tenants`), since the slots and blocks that
    finishing requests free go to its protected reservation first, at no recompute cost;
 2. running requests, in admission order (tenant-aware: tenants within their reservation
-   first, then by tier and priority, `policy.running_order_key`); a request that cannot get
-   blocks preempts victims (`policy.victim_key`) until it fits or is itself the victim;
+   first, then by tier and priority, `tenants.running_order_key`); a request that cannot get
+   blocks preempts victims (`tenants.victim_key`) until it fits or is itself the victim;
 3. waiting requests, one at a time in the policy's order (`TenantBook.backlogged`, each
    tenant's `WaitingQueue`: FCFS without tenants; tier, priority, virtual token counter and
    EDF with tenants), while the budget, the sequence slots and the blocks each tenant may
@@ -49,9 +49,8 @@ from sits.core.plan import NewRequestData, ScheduledRequest, StepPlan
 from sits.core.request import Request, RequestStatus
 from sits.kvcache.kv_manager import NO_HIT, PrefixHit
 from sits.sched.config import TenantTier
-from sits.sched.policy import running_order_key, victim_key
 from sits.sched.state import SchedulerState, is_decode, release
-from sits.sched.tenants import TenantState
+from sits.sched.tenants import TenantState, running_order_key, victim_key
 
 
 @dataclass(slots=True)

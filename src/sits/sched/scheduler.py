@@ -6,7 +6,8 @@ The scheduler is one state object and plain functions over it:
   async scheduling, launched) step, and read-only views for the engine's policies and stats;
 - `sits.sched.planner`: `plan_step`, the step's decisions (reclaim, running, waiting; the
   rules and invariants are in its docstring);
-- `sits.sched.policy`: every order (waiting queues, tenants, running requests, victims).
+- `sits.sched.tenants`: the tenant book and every order (waiting queues, tenants, running
+  requests, victims).
 `Scheduler` owns one `SchedulerState` and is the API the engine and the tests call; it keeps
 no state of its own.
 
