@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sits.admission import FakeClock
-from sits.admission.breaker import BreakerConfig, BreakerState
+from sits.admission import BreakerConfig, BreakerState, FakeClock
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import Heartbeat, ReplicaLoad
 from sits.router.registry import Registry, ReplicaStatus

@@ -3,7 +3,6 @@
 Pure Python with an injected clock; imports no engine, runner, model or server code.
 """
 
-from sits.admission.breaker import BreakerConfig, BreakerDecision, BreakerState, CircuitBreaker
 from sits.admission.controller import (
     AdmissionController,
     Clock,
@@ -20,6 +19,10 @@ from sits.admission.decision import (
 from sits.admission.headers import format_reset, ratelimit_headers, retry_after_headers
 from sits.admission.overload import (
     OVERLOAD_HEADER,
+    BreakerConfig,
+    BreakerDecision,
+    BreakerState,
+    CircuitBreaker,
     OverloadAction,
     OverloadDecision,
     OverloadMonitor,

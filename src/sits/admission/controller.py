@@ -22,7 +22,7 @@ Also here:
 - The injected clocks (`Clock`, `SystemClock`, `FakeClock`): admission code (and the router's
   policies) read time only through a `Clock`, so tests are exact. Invariant: `monotonic()`
   never decreases (FakeClock refuses to go back). This module imports no other admission
-  policy, so the breaker, overload and precision modules import the clock from here.
+  policy, so the overload (and breaker) and precision modules import the clock from here.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from sits.admission import Clock
-from sits.admission.breaker import BreakerConfig, BreakerState, CircuitBreaker
+from sits.admission import BreakerConfig, BreakerState, CircuitBreaker, Clock
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import (
     CANARY_VERSION_LABEL,
