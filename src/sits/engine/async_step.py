@@ -27,11 +27,14 @@ stream, so a step's KV writes, block reuse and input buffers never race the step
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import PLACEHOLDER_TOKEN_ID, StepResult
-from sits.engine.stepper import PlannedStep, Stepper
 from sits.runner.model_runner import LaunchedStep
+
+if TYPE_CHECKING:  # core builds the pipeline; these are its annotations only
+    from sits.engine.core import PlannedStep, Stepper
 
 
 class StepPipeline:

@@ -11,7 +11,7 @@ among the tenants of its scheduled requests in proportion to their scheduled tok
 recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in the bounded
 `prefill_chunks` ring (request timelines on the dashboard; read it on the engine's thread).
 
-Invariants: one `account_step` per step run, synchronous or asynchronous (`sits.engine.stepper`);
+Invariants: one `account_step` per step run, synchronous or asynchronous (`Stepper`);
 the counters only grow; the clock readings are passed in (nothing here reads a clock).
 """
 
