@@ -81,12 +81,12 @@ class EngineConfig:
         skip_tokenizer_init: load no tokenizer: prompts must be token ids and outputs carry
             token ids only (empty text); stop strings are refused.
         tpot_pacing_fraction: TPOT pacing spaces each paced request's tokens by this fraction
-            of its tenant's tpot_ms, in (0, 1] (`sched.pacing.TpotPacer.target_fraction`):
+            of its tenant's tpot_ms, in (0, 1] (`sched.step_policy.TpotPacer.target_fraction`):
             lower keeps more margin for what the client waits for beyond the engine, higher
             lets steps carry more prefill, hence more throughput.
         tpot_pacing_min_prefill_tokens: a paced step takes prompt tokens only when at least
             this many fit its time; below, it runs its decodes alone and banks the time for a
-            larger step (`sched.pacing.TpotPacer.min_prefill_tokens`). 0 (the default): off.
+            larger step (`sched.step_policy.TpotPacer.min_prefill_tokens`). 0 (the default): off.
             Pays where a step's cost is concave in its tokens (a few large steps cost less
             than many middle-sized ones); `bench/qos_sim.py` compares both on a cost curve.
         quantization: weight quantization, vLLM's names: None (the default: what the

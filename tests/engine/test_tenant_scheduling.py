@@ -16,7 +16,7 @@ from sits.engine.builder import build_engine, tenant_policies_of
 from sits.engine.core import EngineCore, WaitingLoad
 from sits.engine.requests import make_engine_requests
 from sits.sched.config import TenantPolicy, TenantTier
-from sits.sched.pacing import TpotPacer
+from sits.sched.step_policy import TpotPacer
 from sits.tenancy import TenantConfig, TenantsConfig, Tier, hash_api_key
 from tests.waits import HANG_S, async_wait_until
 

@@ -9,7 +9,7 @@ import pytest
 from sits.core.errors import InvalidParameterError
 from sits.sched import Scheduler
 from sits.sched.config import TenantPolicy, TenantTier
-from sits.sched.pacing import StepTimeModel, TpotPacer, ttft_rescue_tenants
+from sits.sched.step_policy import StepTimeModel, TpotPacer, ttft_rescue_tenants
 from tests.sched.sched_testlib import fake_result, make_config, make_request, summary
 
 # Mixed steps cost 20 ms + 10 us per prefill token; decode-only steps 10 ms.

@@ -12,8 +12,7 @@ from sits.core.plan import ScheduledRequest
 from sits.core.request import FinishReason
 from sits.sched import Scheduler
 from sits.sched.config import TenantPolicy, TenantTier
-from sits.sched.pacing import TpotPacer
-from sits.sched.step_policy import RECLAIM_PATIENCE, StepDecision, StepPolicy
+from sits.sched.step_policy import RECLAIM_PATIENCE, StepDecision, StepPolicy, TpotPacer
 from tests.sched.sched_testlib import fake_result, make_config, make_request, summary
 
 GOLD = TenantPolicy(tenant_id="gold", tier=TenantTier.GUARANTEED, reserved_kv_fraction=0.5,

@@ -2,7 +2,7 @@
 runner inside it, grouped by (decoding sequences, prefill tokens), over an offline FCFS run
 that keeps `max_num_seqs` sequences busy (like a server under a flood).
 
-This is the data TPOT pacing works with (`sits.sched.pacing`): how much a step's prefill
+This is the data TPOT pacing works with (`sits.sched.step_policy`): how much a step's prefill
 chunk adds to a decode batch's step, and how much of a step is host work around the runner.
 
 Usage (GPU machine, repo root):

@@ -53,9 +53,8 @@ from sits.engine.step_stats import StepStats, prefills_of
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
-from sits.sched.pacing import TpotPacer
 from sits.sched.scheduler import Scheduler
-from sits.sched.step_policy import StepPolicy
+from sits.sched.step_policy import StepPolicy, TpotPacer
 from sits.sched.tenants import TenantSchedStats
 
 

@@ -204,7 +204,7 @@ def mixed_token_buckets(max_num_tokens: int, smallest: int = 64) -> list[int]:
     does in the dense layers: with powers of two alone, a server's typical mixed step (256
     decodes + ~1,024 prompt tokens) ran as 2,048 tokens. The linear steps keep the padding
     under 128 tokens (512 beyond 2,048) for ~0.4 s of capture per extra graph. TPOT pacing
-    fills the largest bucket that fits a step's time (`sched.pacing`), so the step between
+    fills the largest bucket that fits a step's time (`sched.step_policy`), so the step between
     buckets is also the grain of a paced step's length: on the H200 a 256-token grain was
     ~3 ms, and paced steps averaged 43.7 ms against a 45 ms schedule (by their mean prompt
     tokens, about 4 in 10 took the bucket below 1,280).

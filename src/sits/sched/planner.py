@@ -81,7 +81,7 @@ def plan_step(
         state: the scheduler's state; updated with the step's admissions, preemptions and
             allocations (`last_tokens_by_tenant` too).
         max_prefill_tokens: at most this many prompt/recompute tokens in the step (TPOT
-            pacing, `sits.sched.pacing`); decodes are not limited. None: the budget.
+            pacing, `sits.sched.step_policy`); decodes are not limited. None: the budget.
         reclaim_tenants: the guaranteed tenants that may preempt borrowers to get their
             reservation back in this step; None: all of them.
 
