@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sits.kvcache.block_pool import NULL_BLOCK_ID, BlockPool
-from sits.kvcache.hashing import hash_block_tokens
+from sits.kvcache.kv_manager import hash_block_tokens
 
 
 def test_null_block_is_never_allocated() -> None:

@@ -7,7 +7,7 @@ import struct
 import subprocess
 import sys
 
-from sits.kvcache.hashing import hash_block_tokens, hash_full_blocks
+from sits.kvcache.kv_manager import hash_block_tokens, hash_full_blocks
 
 
 def test_digest_matches_the_documented_encoding() -> None:
@@ -56,7 +56,7 @@ def test_extending_a_chain_equals_hashing_from_scratch() -> None:
 
 def test_hash_is_stable_across_processes() -> None:
     code = (
-        "from sits.kvcache.hashing import hash_full_blocks;"
+        "from sits.kvcache.kv_manager import hash_full_blocks;"
         "print(hash_full_blocks(list(range(10)), 4, 'tenant')[-1].hex())"
     )
     out = subprocess.run(

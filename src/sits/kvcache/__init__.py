@@ -1,7 +1,7 @@
 """kvcache layer: paged KV block bookkeeping and the prefix cache (pure Python, no device).
 
 `BlockPool` owns blocks, reference counts and the LRU free queue; `KVCacheManager` owns each
-request's block table and the chained-hash prefix lookups (see `hashing`). Block 0 is the
+request's block table and the chained-hash prefix lookups (`hash_full_blocks`). Block 0 is the
 reserved null block (`NULL_BLOCK_ID`). `HostBlockPool` tracks the host tier's blocks (swapped-out
 requests' blocks and an LRU of prefix blocks the device evicted); `HostPrefixTier` moves
 evicted prefix blocks there and serves prefix hits from it.
@@ -9,8 +9,7 @@ evicted prefix blocks there and serves prefix hits from it.
 
 from __future__ import annotations
 
-from sits.kvcache.block_pool import NULL_BLOCK_ID, BlockPool, EvictedBlock, KVBlock
-from sits.kvcache.hashing import BlockHash, hash_block_tokens, hash_full_blocks
+from sits.kvcache.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, EvictedBlock, KVBlock
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
 from sits.kvcache.host_prefix import HostPrefixTier
 from sits.kvcache.kv_manager import (
@@ -20,6 +19,8 @@ from sits.kvcache.kv_manager import (
     PrefixCacheStats,
     PrefixHit,
     cdiv,
+    hash_block_tokens,
+    hash_full_blocks,
 )
 
 __all__ = [

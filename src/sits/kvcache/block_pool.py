@@ -25,7 +25,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sits.kvcache.hashing import BlockHash
+# A block hash (`kv_manager.hash_block_tokens`): the 32-byte SHA-256 digest (full width, so a
+# collision of the parent chain is not a practical concern; the block's own token ids are
+# still checked on every hit).
+BlockHash = bytes
 
 NULL_BLOCK_ID = 0
 

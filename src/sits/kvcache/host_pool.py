@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sits.kvcache.hashing import BlockHash
+from sits.kvcache.block_pool import BlockHash
 
 
 @dataclass(slots=True)

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sits.kvcache.block_pool import EvictedBlock
-from sits.kvcache.hashing import BlockHash
+from sits.kvcache.block_pool import BlockHash, EvictedBlock
 from sits.kvcache.host_pool import HostBlockPool, SwapStats
 
 
