@@ -31,8 +31,7 @@ from sits.cli.serve import add_serve_parser, run_serve
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import DEREGISTER_PATH, HEARTBEAT_PATH, REGISTER_PATH, Heartbeat
 from sits.obs.timeline import RequestTimeline, TimelineBuffer
-from sits.server.context import ServerSettings
-from sits.server.lifecycle import ServerLifecycle
+from sits.server.context import ServerLifecycle, ServerSettings
 from sits.server.registration import FleetRegistration, RegistrationSettings
 from tests.server.live import LiveServer, free_port
 from tests.waits import HANG_S

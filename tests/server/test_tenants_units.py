@@ -19,8 +19,7 @@ from sits.core.errors import EngineDeadError, InvalidParameterError, PromptTooLo
 from sits.engine.core import WaitingLoad
 from sits.obs.tenant_metrics import TenantMetrics
 from sits.server.context import ServerSettings
-from sits.server.errors import ServerError
-from sits.server.lifecycle import draining_error
+from sits.server.errors import ServerError, draining_error
 from sits.server.qos.admit import Outcome, QosSettings, ServerQos, is_engine_failure, outcome_of
 from sits.server.qos.overload_watch import OverloadWatcher, PrefillRateEstimator, overload_signals
 from sits.tenancy import TenantsConfig, Tier

@@ -22,11 +22,10 @@ from fastapi import FastAPI
 
 import sits
 from sits.server.admin import admin_router
-from sits.server.context import ServerContext, ServerSettings
+from sits.server.context import ServerContext, ServerLifecycle, ServerSettings
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.faults import FaultInjectionMiddleware
-from sits.server.lifecycle import ServerLifecycle
 from sits.server.qos.headers import QosHeadersMiddleware
 from sits.server.received import ReceivedAtMiddleware
 from sits.server.request_tracing import TracingMiddleware

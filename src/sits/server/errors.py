@@ -73,6 +73,11 @@ def unavailable(message: str, code: str) -> ServerError:
     return ServerError(503, message, type="service_unavailable_error", code=code)
 
 
+def draining_error() -> ServerError:
+    """503 for requests that arrive (or are cut) while the server shuts down."""
+    return unavailable("The server is shutting down; retry on another replica.", "draining")
+
+
 def unsupported(param: str, message: str) -> ServerError:
     """400 for a field sits does not implement and will not ignore."""
     return ServerError(400, message, param=param, code="unsupported_parameter")

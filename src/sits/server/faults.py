@@ -32,8 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits.core.errors import InvalidParameterError
-from sits.server.errors import ServerError, error_response
-from sits.server.lifecycle import draining_error
+from sits.server.errors import ServerError, draining_error, error_response
 
 FAULT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 FAULT_CODE = "fault_injected"

@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,7 +51,9 @@ from sits.core.fleet import (
 )
 from sits.obs.timeline import TimelineBuffer, latency_summary
 from sits.server.engine_client import EngineClient
-from sits.server.lifecycle import ServerLifecycle
+
+if TYPE_CHECKING:  # the context builds the registration; its annotation only
+    from sits.server.context import ServerLifecycle
 
 logger = logging.getLogger(__name__)
 

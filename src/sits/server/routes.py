@@ -18,8 +18,7 @@ from pydantic import BaseModel, ValidationError
 from sits.obs.server_metrics import CONTENT_TYPE
 from sits.server.auth import require_model_reader, require_tenant
 from sits.server.context import ServerContext
-from sits.server.errors import error_response, unavailable, unsupported
-from sits.server.lifecycle import draining_error
+from sits.server.errors import draining_error, error_response, unavailable, unsupported
 from sits.server.protocol import ModelCard, ModelList
 from sits.server.protocol_chat import ChatCompletionRequest
 from sits.server.protocol_completion import CompletionRequest

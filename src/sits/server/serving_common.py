@@ -42,11 +42,10 @@ from sits.admission import retry_after_headers
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import CompletionOutput, Logprob, RequestOutput
 from sits.server.auth import request_tenant, require_tenant
-from sits.server.context import ServerContext
+from sits.server.context import ServerContext, Ticket
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
 from sits.server.jobs import EnginePrompt, GenerationJob, was_dropped_unstarted
-from sits.server.lifecycle import Ticket
 from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos.admit import Outcome, QosTicket, outcome_of

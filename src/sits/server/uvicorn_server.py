@@ -26,8 +26,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from sits.obs.gc_pauses import freeze_startup_heap
+from sits.server.context import ServerLifecycle
 from sits.server.http_impl import loop_factory, resolve_http
-from sits.server.lifecycle import ServerLifecycle
 
 logger = logging.getLogger(__name__)
 
