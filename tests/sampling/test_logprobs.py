@@ -7,9 +7,9 @@ import random
 import torch
 
 from sits.core.sampling_params import SamplingParams
+from sits.sampling.batch import SamplingState
 from sits.sampling.logprobs import compute_prompt_logprobs, gather_logprobs
 from sits.sampling.sampler import Sampler
-from sits.sampling.state import SamplingState
 
 
 def test_gather_logprobs_exact() -> None:

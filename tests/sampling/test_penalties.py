@@ -7,6 +7,7 @@ import random
 import torch
 
 from sits.core.sampling_params import SamplingParams
+from sits.sampling.batch import SamplingState
 from sits.sampling.penalties import (
     apply_frequency_presence_penalties,
     apply_min_tokens,
@@ -14,7 +15,6 @@ from sits.sampling.penalties import (
     apply_repetition_penalty,
     token_counts,
 )
-from sits.sampling.state import SamplingState
 
 INF = float("inf")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sits.core.sampling_params import SamplingParams
+from sits.sampling.batch import SamplingState, make_generator
 from sits.sampling.sampler import Sampler, apply_min_p, apply_top_k_top_p, exponential_noise
-from sits.sampling.state import SamplingState, make_generator
 
 INF = float("inf")
 VOCAB = 64

@@ -9,8 +9,8 @@ import random
 import torch
 
 from sits.core.sampling_params import SamplingParams
+from sits.sampling.batch import SamplingState, make_generator
 from sits.sampling.sampler import Sampler
-from sits.sampling.state import SamplingState, make_generator
 
 VOCAB = 64
 

@@ -32,10 +32,9 @@ import torch
 from torch import Tensor
 
 from sits.core.outputs import TokenLogprobs
-from sits.sampling.batch import SamplingBatch, TopKTopP, top_k_top_p_of
+from sits.sampling.batch import SamplingBatch, SamplingState, TopKTopP, top_k_top_p_of
 from sits.sampling.logprobs import compute_prompt_logprobs, gather_logprobs, log_softmax_f32
 from sits.sampling.penalties import apply_min_tokens, apply_penalties
-from sits.sampling.state import SamplingState
 
 __all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
