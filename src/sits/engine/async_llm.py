@@ -23,8 +23,8 @@ Engine calls (`expert_stats`, `freeze_expert`, ..., `set_precision`, `prefill_ch
 named `EngineCall`s run by the loop between steps; their errors are rebuilt with their class
 and message. `stats()` and `precision_state()` read the newest snapshot, which the loop sends
 before each call's result (so a caller sees its call's effect). MoE experts: the loop reads
-the device-side expert counters every `driver.EXPERT_STATS_PERIOD_STEPS` steps, when it goes
-idle and on request, into `EngineStats.experts`; with spare expert slots or
+the device-side expert counters every `engine_loop.EXPERT_STATS_PERIOD_STEPS` steps, when it
+goes idle and on request, into `EngineStats.experts`; with spare expert slots or
 `restore_frozen_experts` that read also restores the experts the health check froze
 (`ExpertMonitor.read` with `auto_restore`).
 """

@@ -41,8 +41,7 @@ from typing import Any
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
 from sits.engine.builder import build_engine
-from sits.engine.driver import EngineDriver
-from sits.engine.engine_loop import EngineLoop
+from sits.engine.engine_loop import EngineDriver, EngineLoop
 from sits.engine.engine_stats import EngineStats
 from sits.engine.health import SharedLoopTimes
 from sits.engine.messages import (
