@@ -61,9 +61,8 @@ from sits.runner.model_info import ModelInfo
 from sits.runner.precision import load_twin, memory_budget_bytes, precision_name
 from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
-from sits.sampling.batch import SamplingState, has_penalties, make_generator
+from sits.sampling.batch import SamplingState, has_penalties, make_generator, to_device
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
-from sits.utils.device_tensor import to_device
 
 logger = logging.getLogger(__name__)
 

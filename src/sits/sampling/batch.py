@@ -17,6 +17,15 @@ samples a token at temperature > 0 (one draw of `vocab_size` exponentials per to
 seeded request gives the same tokens alone, in any batch, and after preemption as long as the
 state (or a copy of its generator state) is kept. An unseeded request served by a sampler with
 a shared generator (the engine's) draws from that one instead and leaves its own untouched.
+
+Host lists become device tensors through `to_device` (the sampler's parameter tensors here,
+the runner's step inputs too), without waiting for the device: `torch.tensor(values,
+device="cuda")` copies from pageable memory, which CUDA orders after all the work already
+queued on the stream, so the host waits for the device. With async scheduling
+(`sits.engine.async_step`) the host prepares a step while the step before it runs, so such a
+copy would stall it for a whole step. `to_device` stages the values in pinned memory (torch's
+caching host allocator, which keeps the block until the copy has run) and copies them with
+non_blocking=True, which returns at once.
 """
 
 from __future__ import annotations
@@ -30,9 +39,17 @@ import torch
 from torch import Tensor
 
 from sits.core.sampling_params import SamplingParams
-from sits.utils.device_tensor import to_device
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take seeds in [0, 2**64)
+
+
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
+              device: torch.device) -> Tensor:  # fmt: skip
+    """[len(values)] tensor of `dtype` on `device`; on CUDA the copy is queued, not waited for."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(slots=True)

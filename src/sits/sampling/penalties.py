@@ -20,8 +20,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from sits.sampling.batch import SamplingState
-from sits.utils.device_tensor import to_device
+from sits.sampling.batch import SamplingState, to_device
 
 
 def token_counts(
