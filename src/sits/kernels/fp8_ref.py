@@ -94,10 +94,11 @@ def fp8_linear(
     """y = x @ dequantize(weight).T (+ bias): the reference FP8 GEMM.
 
     Off CUDA: the weight is dequantized to x's dtype and multiplied in that dtype (weight-only
-    semantics). On CUDA (FP8 tensor cores, Triton installed): `fp8_gemm_triton`, weight-only
-    for decode-sized batches and, past them, with the activations quantized to FP8 per token
-    (and 128-wide K group for block scales; `fp8_linear_w8a8_reference`), which agrees with
-    this within FP8 activation rounding.
+    semantics). On CUDA (FP8-capable sm_89+, Triton installed): up to
+    `fp8_gemv_triton.GEMV_MAX_ROWS` tokens the weight-only GEMV; past them `fp8_gemm_triton`,
+    weight-only for decode-sized batches and, past them, with the activations quantized to
+    FP8 per token (and 128-wide K group for block scales; `fp8_linear_w8a8_reference`),
+    which agrees with this within FP8 activation rounding.
 
     Args:
         x: [num_tokens, K], the model dtype.
@@ -111,8 +112,16 @@ def fp8_linear(
     """
     if x.is_cuda and has_triton():  # the FP8 GEMM (activations quantized per token group)
         from sits.kernels.fp8_gemm_triton import fp8_gemm_supported, triton_fp8_linear
+        from sits.kernels.fp8_gemv_triton import (
+            DENSE_CONFIG,
+            GEMV_MAX_ROWS,
+            gemv_fits,
+            triton_fp8_gemv,
+        )
 
         if fp8_gemm_supported(x.device):
+            if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and gemv_fits(DENSE_CONFIG, block):
+                return triton_fp8_gemv(x, weight, weight_scale, bias, block, DENSE_CONFIG)
             return triton_fp8_linear(x, weight, weight_scale, bias, block)
     return F.linear(x, dequantize_fp8(weight, weight_scale, block, x.dtype), bias)
 

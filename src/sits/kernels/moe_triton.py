@@ -460,10 +460,13 @@ class TritonMoe:
         nonfinite_experts: Tensor | None = None,
     ) -> Tensor:
         """FP8 experts (`moe_ref.moe_forward_fp8`'s arguments): [T, H] in hidden's dtype, no
-        host sync. With FP8 tensor cores (sm_89+), `moe_fp8_triton.fused_moe_fp8` (W8A8);
+        host sync. Up to `fp8_gemv_triton.MOE_GEMV_MAX_TOKENS` tokens the weight-only
+        per-pair GEMV (`fused_moe_fp8_gemv`); past them, with FP8 tensor cores (sm_89+),
+        `moe_fp8_triton.fused_moe_fp8` (W8A8);
         on older GPUs the weights are dequantized whole to hidden's dtype for `fused_moe`
         (slow, but still graph safe)."""
         # Imported here: moe_fp8_triton imports this module's kernels.
+        from sits.kernels import fp8_gemv_triton as gemv
         from sits.kernels.fp8_gemm_triton import fp8_gemm_supported
         from sits.kernels.fp8_ref import FP8_DTYPE, dequantize_fp8
         from sits.kernels.moe_fp8_triton import fused_moe_fp8
@@ -473,6 +476,11 @@ class TritonMoe:
             w13 = dequantize_fp8(w13, w13_scale, block, hidden.dtype)  # [E, 2I, H]
             w2 = dequantize_fp8(w2, w2_scale, block, hidden.dtype)  # [E, H, I]
             return self.experts(hidden, w13, w2, topk_weights, topk_ids, nonfinite_experts)
+        if hidden.shape[0] <= gemv.MOE_GEMV_MAX_TOKENS and gemv.moe_gemv_fits(block, w2.shape[2]):
+            return gemv.fused_moe_fp8_gemv(
+                hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids,
+                nonfinite_experts, gemv.MOE_UP_CONFIG, gemv.MOE_DOWN_CONFIG,
+            )  # fmt: skip
         config = self.launch_config(hidden, w2, top_k, FP8_DTYPE)
         return fused_moe_fp8(
             hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids, config,
