@@ -407,7 +407,7 @@ if has gemv; then
     tests/kernels/test_fp8_gemv_triton.py tests/kernels/test_fp8_gemm_triton.py \
     tests/kernels/test_fp8_gemm_triton_gpu.py tests/kernels/test_moe_fp8_triton.py \
     tests/kernels/test_moe_fp8_triton_gpu.py
-  run gemv_bench python3 bench/kernels/fp8_gemv_bench.py
+  run gemv_bench timeout "${GEMV_BENCH_S:-300}" python3 bench/kernels/fp8_gemv_bench.py ${GEMV_BENCH_ARGS:-}
   gemv_b1() {  # gemv_b1 NAME SRC: qwen3-30b-a3b FP8 batch 1 512/256 on source tree SRC
     PYTHONPATH="$2${PYTHONPATH#"${SITS_SRC:-$PWD/src}"}" run "$1" python3 -m sits.cli.main \
       bench latency --random-weights qwen3-30b-a3b --quantization fp8 --batch-size 1 \
