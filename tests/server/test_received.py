@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from sits.server import received
-from sits.server.received import RECEIVED_STATE_KEY, ReceivedAtMiddleware
+from sits.server import request_tracing
+from sits.server.request_tracing import RECEIVED_STATE_KEY, ReceivedAtMiddleware
 
 
 def _run(scope: dict, clock: list[float], monkeypatch) -> tuple[list[dict], dict]:
     """Call the middleware around an app that answers 200 with one header; `clock` holds the
     successive `time.monotonic()` values. Returns (messages sent, the scope the app saw)."""
     ticks = iter(clock)
-    monkeypatch.setattr(received, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    monkeypatch.setattr(request_tracing, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
     seen: dict = {}
 
     async def app(scope, receive, send) -> None:

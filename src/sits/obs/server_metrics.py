@@ -395,8 +395,8 @@ class RequestRecorder(OutputObserver):
     """Feeds `ServerMetrics` from the DELTA outputs of one engine request (all its samples).
 
     With a tenant and `received_s` (the HTTP request's receipt, time.monotonic() seconds,
-    `sits.server.received`), the first token's arrival here also gives the tenant's TTFT from
-    receipt.
+    `sits.server.request_tracing.ReceivedAtMiddleware`), the first token's arrival here also
+    gives the tenant's TTFT from receipt.
     """
 
     def __init__(

@@ -8,8 +8,9 @@ takes configured tenant ids (a bounded set), and every other label a fixed set o
   `sits:tenant_prompt_tokens_total`, `sits:tenant_generation_tokens_total`,
   `sits:tenant_time_to_first_token_seconds` (from the hand-off to the engine),
   `sits:tenant_http_time_to_first_token_seconds` (from the HTTP request's receipt,
-  `sits.server.received`, to its first token in the HTTP process; the TTFT SLO counters use it,
-  or the engine's TTFT for a request without a receipt time) and
+  `sits.server.request_tracing.ReceivedAtMiddleware`, to its first token in the HTTP
+  process; the TTFT SLO counters use it, or the engine's TTFT for a request without a receipt
+  time) and
   `sits:tenant_time_per_output_token_seconds` (histograms),
   `sits:tenant_slo_requests_total{tenant, slo}` and
   `sits:tenant_slo_met_total{tenant, slo}` (slo: ttft, tpot; attainment = met / requests;

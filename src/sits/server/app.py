@@ -27,8 +27,7 @@ from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.faults import FaultInjectionMiddleware
 from sits.server.qos.headers import QosHeadersMiddleware
-from sits.server.received import ReceivedAtMiddleware
-from sits.server.request_tracing import TracingMiddleware
+from sits.server.request_tracing import ReceivedAtMiddleware, TracingMiddleware
 from sits.server.routes import api_router, models_router, ops_router
 from sits.server.routes_dashboard import dashboard_router
 from sits.server.serving_common import count_invalid_body

@@ -434,7 +434,7 @@ class ServerContext:
     ) -> GenerationJob:
         """A job of `tenant` for `prompts` with a fresh request id `prefix-<hex>` and metrics
         attached; its prefix-cache namespace is `ServerQos.cache_salt(tenant, cache_salt)`;
-        `received_s`: the HTTP request's receipt (`sits.server.received.received_at`)."""
+        `received_s`: the HTTP request's receipt (`sits.server.request_tracing.received_at`)."""
         return GenerationJob(
             self.engine,
             f"{prefix}-{uuid.uuid4().hex}",

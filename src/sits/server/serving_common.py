@@ -50,8 +50,7 @@ from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos.admit import Outcome, QosTicket, outcome_of
 from sits.server.qos.headers import TENANT_STATE_KEY
-from sits.server.received import received_at
-from sits.server.request_tracing import request_trace, trace_admission
+from sits.server.request_tracing import received_at, request_trace, trace_admission
 from sits.server.sse import (
     DONE_EVENT,
     ClientDisconnected,
@@ -209,7 +208,7 @@ def request_job(
     tenant: TenantConfig,
 ) -> GenerationJob:
     """`ctx.new_job` for an OpenAI request `req` (chat or completion): its `priority` and
-    `cache_salt`, and the HTTP receipt time of `raw` (`sits.server.received`)."""
+    `cache_salt`, and the HTTP receipt time of `raw` (`sits.server.request_tracing.received_at`)."""
     return ctx.new_job(
         prefix,
         prompts,
