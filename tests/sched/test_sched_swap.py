@@ -136,6 +136,41 @@ def test_recompute_when_no_room_or_not_cheaper(changes: dict) -> None:
     assert stats.num_recomputed_tokens == 8
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_without_host_blocks_the_tier_bookkeeping_never_runs(
+    monkeypatch: pytest.MonkeyPatch, prefix_caching: bool
+) -> None:
+    scheduler = Scheduler(swap_config(num_host_blocks=0, enable_prefix_caching=prefix_caching))
+    swapper = scheduler.swapper
+    assert not swapper.enabled and swapper.prefix_tier is None
+
+    def never(*args: object) -> None:
+        raise AssertionError("host tier bookkeeping ran without a host tier")
+
+    for name in ("begin_step", "end_step", "is_swapped", "drop"):
+        monkeypatch.setattr(swapper, name, never)
+    for name in ("begin_step", "allocate", "read", "free", "lookup", "store"):
+        monkeypatch.setattr(swapper.host, name, never)
+    scheduler.add_request(make_request("A", [1, 2, 3, 4], max_tokens=8, arrival_time=1.0))
+    scheduler.add_request(make_request("B", [5, 6, 7, 8], max_tokens=8, arrival_time=2.0))
+    scheduler.add_request(make_request("C", [9, 10, 11, 12], max_tokens=8, arrival_time=3.0))
+    for _ in range(6):  # C (4 computed tokens) is preempted in step 1, B (8) in step 5
+        run_step(scheduler)
+    assert scheduler.waiting_request_ids() == ["B", "C"]
+    assert [o.request_id for o in scheduler.finish_requests("C", FinishReason.ABORT)] == ["C"]
+    resumes = []
+    while scheduler.has_unfinished_requests():
+        plan, _ = run_step(scheduler)
+        resumes += [row for row in summary(plan) if row[0] == "B" and row[2] > 1]
+    # B recomputes its 8 computed tokens and its newest output; with prefix caching its first
+    # block hits.
+    assert resumes == [("B", 4, 5, True) if prefix_caching else ("B", 0, 9, True)]
+    assert scheduler.num_preemptions == 2 and scheduler.num_free_blocks == 4
+    stats = scheduler.swap_stats
+    assert (stats.num_swap_preemptions, stats.num_recompute_preemptions) == (0, 2)
+    assert stats.num_recomputed_tokens == 4 + 8
+
+
 def test_abort_of_swapped_request_frees_its_host_blocks() -> None:
     scheduler = Scheduler(swap_config())
     scheduler.add_request(make_request("A", [1, 2, 3, 4], max_tokens=8, arrival_time=1.0))

@@ -89,7 +89,9 @@ def plan_step(
         The plan: scheduled requests in batch order, requests new to the runner, and the
         ids of requests finished since the last call that the runner had been sent.
     """
-    state.swapper.begin_step()
+    swapper = state.swapper
+    if swapper.enabled:  # no host tier: no host blocks to unpin or free
+        swapper.begin_step()
     budget = state.config.max_num_batched_tokens
     prefill_budget = budget if max_prefill_tokens is None else min(max_prefill_tokens, budget)
     step = StepState(token_budget=budget, prefill_budget=max(prefill_budget, 0))
@@ -97,7 +99,8 @@ def plan_step(
         _reclaim_reservations(state, step, reclaim_tenants)
     _schedule_running(state, step)
     _schedule_waiting(state, step)
-    state.swapper.end_step(step.swap_out, step.swap_in)
+    if swapper.enabled:
+        swapper.end_step(step.swap_out, step.swap_in)
     state.last_tokens_by_tenant = step.tokens_by_tenant
     finished_ids, state.finished_ids = state.finished_ids, []
     return StepPlan(
@@ -339,7 +342,7 @@ def _admit(
     within_reservation = closed or not book.may_borrow(tenant)
     if not book.may_take_seq(tenant, within_reservation):
         return False
-    swapped = swapper.is_swapped(request.request_id)
+    swapped = swapper.enabled and swapper.is_swapped(request.request_id)
     if swapped:  # resumes with its own KV from the host tier: no prefix lookup
         hit, num_cached_tokens = NO_HIT, request.num_computed_tokens
     else:  # hits on the device, or on the host tier (copied in: computed tokens too)

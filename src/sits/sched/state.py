@@ -147,7 +147,8 @@ def finish_request(
     else:
         state.kv.free(request)  # holds no blocks, but drops its cached hashes
         state.book.remove_waiting(tenant, request)
-        state.swapper.drop(request.request_id)
+        if state.swapper.enabled:
+            state.swapper.drop(request.request_id)
     request.status = RequestStatus.FINISHED
     request.finish_reason = reason
     request.stop_reason = stop_reason

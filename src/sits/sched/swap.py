@@ -14,6 +14,9 @@ Invariants:
 - Host blocks read by a plan's swap-ins are freed only at the next `begin_step()` (after the
   runner ran that plan), so no swap-out of the same plan can overwrite them first
   (`HostBlockPool` pins them).
+- Without host blocks (`enabled` False) no request is ever swapped and no host block is ever
+  used, so the callers skip `begin_step`, `end_step`, `is_swapped` and `drop` (the per-step
+  bookkeeping); `swap_out` still runs on a preemption, to count the recompute.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class SwapPlanner:
             recomputes and the prefix cache is device-only.
 
     Attributes:
+        enabled: the tier has host blocks (num_host_blocks > 0); False: callers skip the
+            per-step bookkeeping (see the module docstring).
         host: the host tier's block pool.
         stats: cumulative counters (swap preemption and host prefix cache).
         prefix_tier: the host tier's prefix cache, or None (no host blocks, or prefix
@@ -42,10 +47,11 @@ class SwapPlanner:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.enabled = config.num_host_blocks > 0
         self.host = HostBlockPool(config.num_host_blocks)
         self.stats = SwapStats()
         self.prefix_tier: HostPrefixTier | None = None
-        if config.num_host_blocks > 0 and config.enable_prefix_caching:
+        if self.enabled and config.enable_prefix_caching:
             self.prefix_tier = HostPrefixTier(self.host, self.stats, config.kv_bytes_per_block)
         self._host_ids: dict[str, list[int]] = {}  # swapped-out request -> its host blocks
 
