@@ -46,7 +46,7 @@ from sits.router.relay import StreamRelay
 from sits.router.settings import RouterSettings
 from sits.server.auth import presented_key
 from sits.server.errors import ServerError
-from sits.server.sse import ClientDisconnected, SSEResponse, run_until_disconnect
+from sits.server.jobs import ClientDisconnected, SSEResponse, run_until_disconnect
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import aiohttp
 from sits.admission import Clock
 from sits.router.attempt import error_code
 from sits.server.errors import ServerError, error_body
-from sits.server.sse import DONE_EVENT, sse_event
+from sits.server.jobs import DONE_EVENT, sse_event
 
 _DONE_FRAME = DONE_EVENT.encode()
 _USAGE_MARK = b'"choices":[]'

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from sits.core.errors import InvalidParameterError
 from sits.core.limits import resolve_limits
 from sits.server.context import ServerContext
-from sits.server.jobs import EnginePrompt, GenerationJob
+from sits.server.jobs import DONE_EVENT, EnginePrompt, GenerationJob, sse_event
 from sits.server.logprobs import PositionLogprobs, chat_logprobs_content
 from sits.server.params import (
     chat_max_tokens_field,
@@ -58,7 +58,6 @@ from sits.server.serving_common import (
     start_request,
     usage_of,
 )
-from sits.server.sse import DONE_EVENT, sse_event
 from sits.tenancy import TenantConfig
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

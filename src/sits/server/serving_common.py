@@ -45,19 +45,21 @@ from sits.server.auth import request_tenant, require_tenant
 from sits.server.context import ServerContext, Ticket
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
-from sits.server.jobs import EnginePrompt, GenerationJob, was_dropped_unstarted
+from sits.server.jobs import (
+    DONE_EVENT,
+    ClientDisconnected,
+    EnginePrompt,
+    GenerationJob,
+    SSEResponse,
+    run_until_disconnect,
+    sse_event,
+    was_dropped_unstarted,
+)
 from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos.admit import Outcome, QosTicket, outcome_of
 from sits.server.qos.headers import TENANT_STATE_KEY
 from sits.server.request_tracing import received_at, request_trace, trace_admission
-from sits.server.sse import (
-    DONE_EVENT,
-    ClientDisconnected,
-    SSEResponse,
-    run_until_disconnect,
-    sse_event,
-)
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from sits.core.limits import resolve_limits
 from sits.core.outputs import Logprob
 from sits.core.sampling_params import SamplingParams
 from sits.server.context import ServerContext
-from sits.server.jobs import EnginePrompt, GenerationJob
+from sits.server.jobs import DONE_EVENT, EnginePrompt, GenerationJob, sse_event
 from sits.server.logprobs import CompletionLogprobsBuilder, PositionLogprobs
 from sits.server.params import (
     check_completion_request,
@@ -53,7 +53,6 @@ from sits.server.serving_common import (
     start_request,
     usage_of,
 )
-from sits.server.sse import DONE_EVENT, sse_event
 from sits.tenancy import TenantConfig
 
 

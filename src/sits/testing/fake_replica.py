@@ -11,7 +11,7 @@ costs almost no CPU, so that what is measured is the router. This server answers
   arrived (absolute times on the event loop's clock, so the spacing does not drift with load),
   then a usage chunk when `stream_options.include_usage` is true, then `data: [DONE]`. A
   non-streamed request gets one JSON answer at the time the last token would have been sent.
-Frames are compact JSON (`sits.server.sse.sse_event`), as `sits serve` sends them. The prompt's
+Frames are compact JSON (`sits.server.jobs.sse_event`), as `sits serve` sends them. The prompt's
 token count is the number of ids of a token-id prompt, else the number of whitespace-separated
 words (a text prompt, or the chat messages' contents). Every other request field is accepted and
 ignored. No tokenizer, no model: it imports neither torch nor the engine.
@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sits.server.sse import DONE_EVENT, sse_event
+from sits.server.jobs import DONE_EVENT, sse_event
 
 DEFAULT_MODEL = "fake"
 
