@@ -10,9 +10,9 @@ from sits import LLM
 from sits.core.sampling_params import SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.engine_loop import EngineLoop
-from sits.engine.engine_stats import EngineStats
 from sits.engine.messages import AddRequest, EngineCall, FinishRequests, StatsUpdate, StepOutputs
 from sits.engine.requests import make_engine_requests
+from sits.engine.stats import EngineStats
 from tests.engine.fake_pipes import Inbox
 
 _NO_TIMES = types.SimpleNamespace(mark=lambda step_started_s: None)

@@ -15,9 +15,8 @@ from sits.core.request import START_DEADLINE_MISSED, FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore
-from sits.engine.loop_profile import LoopProfile
 from sits.engine.requests import make_engine_requests
-from sits.engine.step_stats import StepStats
+from sits.engine.stats import LoopProfile, StepStats
 
 
 class _Core:
@@ -51,7 +50,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     clock[0] = 101.5
     assert profile.maybe_log() is None  # the window is not over
     clock[0] = 102.0
-    with caplog.at_level(logging.DEBUG, logger="sits.engine.loop_profile"):
+    with caplog.at_level(logging.DEBUG, logger="sits.engine.stats"):
         line = profile.maybe_log()
     assert line == (
         "engine loop, last 2.0 s (busy 1.4 s): 4 steps of 343.8 ms: step 187.5 (schedule "
@@ -69,7 +68,7 @@ def test_window_line_gives_ms_per_step_of_each_phase(caplog) -> None:
     clock[0] = 106.0
     core.scheduler.num_preemptions = 4
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="sits.engine.loop_profile"):
+    with caplog.at_level(logging.INFO, logger="sits.engine.stats"):
         line = profile.maybe_log()
     assert caplog.messages == []  # an operator at the default level sees no line every 10 s
     assert "(busy 0.5 s): 1 step of 500.0 ms: step 500.0 (schedule 0.0" in line

@@ -8,7 +8,7 @@ import pytest
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.request import FinishReason
-from sits.engine.step_stats import PrefillChunk, StepStats, prefills_of
+from sits.engine.stats import PrefillChunk, StepStats, prefills_of
 from tests.sched.sched_testlib import make_request
 
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sits.cli.serve import add_serve_parser
 from sits.core.errors import InvalidParameterError
-from sits.engine.step_stats import PrefillChunk
+from sits.engine.stats import PrefillChunk
 from sits.obs.dashboard_data import MetricSamples, chunks_by_request, tenant_load
 from sits.obs.timeline import RequestTimeline, TimelineBuffer, latency_summary, percentiles
 from sits.server import routes_dashboard

@@ -14,7 +14,7 @@ from typing import Any
 
 from sits.bench.roofline import StepShape, step_shape
 from sits.core.plan import StepPlan
-from sits.engine.loop_profile import CORE_PHASES, RUNNER_PHASES
+from sits.engine.stats import CORE_PHASES, RUNNER_PHASES
 
 
 def shape_of_plan(plan: StepPlan) -> StepShape:

@@ -47,7 +47,6 @@ from sits.core.precision import PrecisionState
 from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.delivery import BatchedDelivery
-from sits.engine.engine_stats import EngineStats, parse_tiers
 from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
 from sits.engine.messages import (
     AddFailed,
@@ -68,7 +67,7 @@ from sits.engine.messages import (
 from sits.engine.output_processor import OutputProcessor
 from sits.engine.process_transport import ProcessTransport
 from sits.engine.requests import child_request_ids, make_engine_requests
-from sits.engine.step_stats import PrefillChunk
+from sits.engine.stats import EngineStats, PrefillChunk, parse_tiers
 from sits.engine.thread_transport import ThreadTransport
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy

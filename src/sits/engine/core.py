@@ -13,7 +13,7 @@ A step has one path, `Stepper` (below): plan, run or launch, account; synchronou
    rescue, reclaim) for the prefill budget and due reclaims, and schedule
    (`Scheduler.schedule`);
 2. `mark_run`: stamp the step with its weight set as it is run or launched (precision switch);
-3. `account_step`: after `Scheduler.update`, count it (`StepStats`, in `sits.engine.step_stats`:
+3. `account_step`: after `Scheduler.update`, count it (`StepStats`, in `sits.engine.stats`:
    load, cost and phase accounting, the prefill chunk log), feed the pacer and put the step's
    fields on its outputs.
 The stepper also finishes requests from outside (`finish_requests`), so every finish forgets
@@ -47,9 +47,9 @@ from sits.core.precision import PrecisionState
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request
 from sits.engine.async_step import StepPipeline
 from sits.engine.precision import PrecisionControl, StepPrecision, no_switch_state
+from sits.engine.stats import StepStats, prefills_of
 from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import StepShapeRecorder, recorder_from_env
-from sits.engine.step_stats import StepStats, prefills_of
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
@@ -88,7 +88,7 @@ class EngineCore:
         scheduler: the scheduler (KV block and batch decisions).
         policy: the step policy (`sits.sched.step_policy`): start deadlines, TPOT pacing
             (`policy.pacer`, on when a tenant has a TPOT SLO), TTFT rescue and reclaim.
-        stats: the step counters (`sits.engine.step_stats.StepStats`): steps, prefill
+        stats: the step counters (`sits.engine.stats.StepStats`): steps, prefill
             tokens and busy seconds, tenant cost shares, phases, the prefill chunk log.
         stepper: the step's one path (`Stepper`).
         pipeline: async scheduling's step pipeline, or None (synchronous steps).

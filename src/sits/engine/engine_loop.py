@@ -54,8 +54,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, SitsError
 from sits.core.outputs import EngineCoreOutput
-from sits.engine.engine_stats import ALL_TIERS, EngineStats, snapshot_stats, tier_values
-from sits.engine.loop_profile import LoopProfile
 from sits.engine.messages import (
     AddFailed,
     AddRequest,
@@ -73,6 +71,7 @@ from sits.engine.messages import (
     Stop,
     pack_error,
 )
+from sits.engine.stats import ALL_TIERS, EngineStats, LoopProfile, snapshot_stats, tier_values
 from sits.runner.expert_health import ExpertMonitor, ExpertStats
 from sits.sched.config import TenantTier
 

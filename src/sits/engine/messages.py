@@ -24,7 +24,7 @@ from sits.core.request import FinishReason, Request
 from sits.sched.config import TenantTier
 
 if TYPE_CHECKING:
-    from sits.engine.engine_stats import EngineStats
+    from sits.engine.stats import EngineStats
     from sits.runner.model_info import ModelInfo
 
 # The loop methods an `EngineCall` may name (`EngineLoop.call`).

@@ -42,7 +42,6 @@ from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
 from sits.engine.builder import build_engine
 from sits.engine.engine_loop import EngineDriver, EngineLoop
-from sits.engine.engine_stats import EngineStats
 from sits.engine.health import SharedLoopTimes
 from sits.engine.messages import (
     Command,
@@ -53,6 +52,7 @@ from sits.engine.messages import (
     pack_error,
     unpack_error,
 )
+from sits.engine.stats import EngineStats
 from sits.obs.gc_pauses import GcPauseMonitor, freeze_startup_heap
 from sits.sched.config import TenantPolicy
 

@@ -2,7 +2,7 @@
 
 Read at scrape time from the engine's stats (`AsyncLLM.EngineStats`): `busy_s`, the wall time
 of every engine step that scheduled tokens, and `tenant_busy_s`, each tenant's share of it
-(every step split by the tenants' scheduled tokens, `sits.engine.step_stats.split_step_time`). One
+(every step split by the tenants' scheduled tokens, `sits.engine.stats.split_step_time`). One
 engine runs on one device, so its busy seconds are its GPU-seconds.
 - `sits:gpu_seconds_total`: the engine's busy seconds;
 - `sits:tenant_gpu_seconds_total{tenant}`: each configured tenant's share (0 before any work;

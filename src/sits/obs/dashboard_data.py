@@ -8,7 +8,7 @@ its pure parts:
   as the totals when the scheduler keeps no per-tenant numbers (no configured tenants);
 - `timeline_json`: one ended request's bars (queue, prefill chunks, decode), in seconds after
   its arrival (`sits.obs.timeline.RequestTimeline`);
-- `chunks_by_request`: the engine's prefill chunks (`sits.engine.step_stats.PrefillChunk`, read by
+- `chunks_by_request`: the engine's prefill chunks (`sits.engine.stats.PrefillChunk`, read by
   attribute) matched to their parent request (its samples run as `id` or `id-i`).
 """
 

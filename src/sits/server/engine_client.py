@@ -8,7 +8,7 @@ hand it a small double for fault paths. The contract:
   KV blocks at once;
 - `is_healthy()` is cheap and never blocks: False once the engine loop died or stopped stepping.
 Optional, read with `getattr` so small doubles still work: the stats' per-tenant `tenants`
-and `waiting` maps and prefill counters (`sits.engine.engine_stats.EngineStats`), and
+and `waiting` maps and prefill counters (`sits.engine.stats.EngineStats`), and
 `set_borrowing_tiers(tiers)` (overload control); without them the QoS layer sees no tenant
 usage and no queue. Likewise the MoE expert surface of /v1/admin (`expert_stats()`,
 `freeze_expert`, `unfreeze_expert`, `restore_expert`, each async and returning an

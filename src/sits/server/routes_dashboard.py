@@ -132,7 +132,7 @@ def dashboard_data(
 
     Args:
         ctx: the server's context.
-        chunks: the engine's latest prefill chunks (`sits.engine.step_stats.PrefillChunk`s).
+        chunks: the engine's latest prefill chunks (`sits.engine.stats.PrefillChunk`s).
         now_s: time.monotonic() now (ages are relative to it).
     """
     now_s = time.monotonic() if now_s is None else now_s
