@@ -2,6 +2,7 @@
 
 A plain, frozen, serialisable message (it crosses the engine process boundary and is shown
 by the server): the current set, the sets the engine holds, and the last switch.
+`no_switch_state` is the state of an engine without a precision switch.
 """
 
 from __future__ import annotations
@@ -32,3 +33,9 @@ class PrecisionState:
     last_switch_step: int | None = None
     last_switch_unix_s: float | None = None
     last_switch_delay_s: float | None = None
+
+
+def no_switch_state(precision: str) -> PrecisionState:
+    """The state of an engine without a precision switch: its one set, `precision` (the
+    runner's, e.g. "bf16")."""
+    return PrecisionState(precision, (precision,))

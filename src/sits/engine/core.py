@@ -43,10 +43,10 @@ from sits.config import (
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
-from sits.core.precision import PrecisionState
+from sits.core.precision import PrecisionState, no_switch_state
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request
 from sits.engine.async_step import StepPipeline
-from sits.engine.precision import PrecisionControl, StepPrecision, no_switch_state
+from sits.engine.precision import PrecisionControl, StepPrecision
 from sits.engine.stats import StepStats, prefills_of
 from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import StepShapeRecorder, recorder_from_env
@@ -173,7 +173,7 @@ class EngineCore:
     def precision_state(self) -> PrecisionState:
         """The weight sets and the last switch (one set without a precision switch)."""
         if self.precision_control is None:
-            return no_switch_state(self.runner)
+            return no_switch_state(self.runner.precision)
         return self.precision_control.state
 
     def add_request(self, request: Request) -> None:

@@ -123,8 +123,3 @@ class PrecisionControl:
         """Drop finished requests' switch counts."""
         for request_id in request_ids:
             self._first_switches.pop(request_id, None)
-
-
-def no_switch_state(runner: ModelRunner) -> PrecisionState:
-    """The state of an engine without a precision switch: its one set."""
-    return PrecisionState(runner.precision, (runner.precision,))
