@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fastapi import Request
+
 from sits.admission.precision_policy import PrecisionPolicySettings
 from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.obs.cost_metrics import CostCollector
@@ -48,7 +50,13 @@ from sits.server.qos.admit import QosSettings, ServerQos
 from sits.server.qos.metrics import QosCollector
 from sits.server.qos.overload_watch import OverloadWatcher
 from sits.server.registration import FleetRegistration, RegistrationSettings
-from sits.server.request_tracing import RequestTracer
+from sits.server.request_tracing import (
+    NO_TRACE,
+    NoOpTrace,
+    RequestTrace,
+    RequestTracer,
+    request_trace,
+)
 from sits.tenancy import TenantConfig, TenantsConfig
 
 T = TypeVar("T")
@@ -416,6 +424,11 @@ class ServerContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def trace_of(self, request: Request) -> RequestTrace | NoOpTrace:
+        """The request's trace; `NO_TRACE` (its calls do nothing) while tracing is off, decided
+        by one check without looking at the request."""
+        return NO_TRACE if self.tracer is None else request_trace(request)
 
     def check_model(self, name: str | None) -> None:
         """Raise 404 unless `name` is None or the served model's name."""

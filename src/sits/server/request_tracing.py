@@ -19,8 +19,10 @@ span gets `error.type` (the status, "engine_error", or the exception's class) fo
 request, and an ERROR status for server faults (5xx, engine failures, a failed stream);
 `sits.slo.violated` marks a request over its tenant's TTFT or TPOT SLO. Either keeps the trace
 whatever the sample ratio (`sits.obs.tracing.TailSamplingProcessor`).
-With tracing off no tracing code here runs: the serving code finds no `RequestTrace` in the
-request's state and the engine stamps no chunk or detokenization times.
+With tracing off no tracing work runs: the choice is made once at startup (`ServerContext.tracer`
+is None), the serving code then gets `NO_TRACE` without looking at the request (one check,
+`ServerContext.trace_of`) and calls it as it would a trace, and the engine stamps no chunk or
+detokenization times.
 
 The receipt stamp runs whether or not tracing is on: `ReceivedAtMiddleware` is the outermost
 middleware; its first act on an HTTP request is to store `time.monotonic()` in the request
@@ -93,14 +95,31 @@ _SERVER_FAULTS = frozenset({Outcome.ERROR.value, Outcome.UNAVAILABLE.value})
 _ERROR_TYPES = {Outcome.ERROR.value: "engine_error"}
 
 
-def request_trace(request: Request) -> RequestTrace | None:
-    """The request's trace, or None when tracing is off (or the route is not traced)."""
-    return (request.scope.get("state") or {}).get(TRACE_STATE_KEY)
+class NoOpTrace:
+    """The trace of a request that is not traced: `RequestTrace`'s calls of the serving code,
+    each doing nothing (as OpenTelemetry's NoOpTracer stands in for a tracer), so that code
+    runs the same lines with tracing on or off. One instance, `NO_TRACE`."""
+
+    __slots__ = ()
+
+    def admission(self) -> AbstractContextManager[None]:
+        """A context that does nothing."""
+        return nullcontext()
+
+    def watch(self, job: GenerationJob) -> None:
+        """Nothing to record."""
+
+    def set_outcome(self, outcome: Outcome) -> None:
+        """Nothing to record."""
 
 
-def trace_admission(trace: RequestTrace | None) -> AbstractContextManager[None]:
-    """`trace.admission()`, or a context that does nothing without a trace."""
-    return nullcontext() if trace is None else trace.admission()
+NO_TRACE = NoOpTrace()
+
+
+def request_trace(request: Request) -> RequestTrace | NoOpTrace:
+    """The request's trace, or `NO_TRACE` when the route is not traced (or tracing is off;
+    the serving code asks `ServerContext.trace_of`, which does not look then)."""
+    return (request.scope.get("state") or {}).get(TRACE_STATE_KEY, NO_TRACE)
 
 
 def _mark_failed(span: Span, error_type: str, server_fault: bool, description: str) -> None:

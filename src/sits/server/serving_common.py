@@ -59,7 +59,7 @@ from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
 from sits.server.qos.admit import Outcome, QosTicket, outcome_of
 from sits.server.qos.headers import TENANT_STATE_KEY
-from sits.server.request_tracing import received_at, request_trace, trace_admission
+from sits.server.request_tracing import received_at
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)
@@ -241,10 +241,10 @@ async def start_request(
         ServerError, SitsError: refusals (503, 429, 400, 404), counted per tenant.
     """
     tenant = request_tenant(raw)
-    trace = request_trace(raw)
+    trace = ctx.trace_of(raw)
     job = None
     try:
-        with trace_admission(trace):
+        with trace.admission():
             ticket = ctx.lifecycle.admit()
             try:
                 job = await ctx.run_tokenizer(prepare, tenant)
@@ -258,8 +258,7 @@ async def start_request(
         num_prompts = 1 if job is None else len(job.prompts)
         ctx.qos.metrics.count_outcome(tenant.id, outcome_of(exc).value, num_prompts)
         raise
-    if trace is not None:
-        trace.watch(job)
+    trace.watch(job)
     return ticket, qos, job
 
 
@@ -290,9 +289,7 @@ async def count_invalid_body(raw: Request, err: ServerError) -> ServerError:
     if getattr(route, "path", None) in GENERATION_ROUTES:
         ctx: ServerContext = raw.app.state.ctx
         ctx.qos.metrics.count_outcome(request_tenant(raw).id, Outcome.BAD_REQUEST.value)
-        trace = request_trace(raw)
-        if trace is not None:
-            trace.set_outcome(Outcome.BAD_REQUEST)
+        ctx.trace_of(raw).set_outcome(Outcome.BAD_REQUEST)
     return err
 
 
@@ -333,7 +330,7 @@ async def serve_job(
     """
     handed_off = False
     outcome = Outcome.ABORT
-    trace = request_trace(raw)
+    trace = ctx.trace_of(raw)
 
     async def cleanup(final: Outcome) -> None:
         try:
@@ -342,8 +339,7 @@ async def serve_job(
             ctx.lifecycle.remove_job(job)
             ticket.release()
             qos.finish(final, job.used_tokens, len(job.prompts))
-            if trace is not None:
-                trace.set_outcome(final)
+            trace.set_outcome(final)
 
     try:
         ctx.lifecycle.add_job(job)
