@@ -16,7 +16,7 @@ from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 
 BLOCK_BYTES = 8192  # tiny llama: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 B
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 
 from sits import LLM, SamplingParams
 from sits.core.request import FinishReason
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from tests.engine.hf_reference import random_prompts
 
 NUM_PROMPTS = 10

@@ -11,7 +11,7 @@ from sits.core.sampling_params import SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.engine_loop import EngineLoop
 from sits.engine.messages import AddRequest, EngineCall, FinishRequests, StatsUpdate, StepOutputs
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import EngineStats
 from tests.engine.fake_pipes import Inbox
 

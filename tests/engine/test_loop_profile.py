@@ -15,7 +15,7 @@ from sits.core.request import START_DEADLINE_MISSED, FinishReason
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
 from sits.engine.core import EngineCore
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import LoopProfile, StepStats
 
 

@@ -23,7 +23,7 @@ from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, PrecisionSwitchMemoryError
 from sits.core.precision import PrecisionState
 from sits.engine.arg_utils import add_engine_args, engine_kwargs
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from sits.layers.quant import config as quant_config
 from sits.models.loader import load_model
 from sits.models.precision_twin import build_twin, check_unquantized, meta_twin

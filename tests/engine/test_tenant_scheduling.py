@@ -14,7 +14,7 @@ from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.async_llm import AsyncLLM
 from sits.engine.builder import build_engine, tenant_policies_of
 from sits.engine.core import EngineCore, WaitingLoad
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from sits.sched.config import TenantPolicy, TenantTier
 from sits.sched.step_policy import TpotPacer
 from sits.tenancy import TenantConfig, TenantsConfig, Tier, hash_api_key

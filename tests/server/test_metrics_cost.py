@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from sits.config import EngineConfig
 from sits.core.sampling_params import SamplingParams
 from sits.engine.builder import build_engine
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import split_step_time
 from sits.obs.cost_metrics import CostCollector, cost_per_million_tokens
 from sits.obs.tenant_metrics import TenantMetrics

@@ -52,7 +52,7 @@ from sits.bench.roofline import StepShape
 from sits.bench.steps import StepRecorder, phase_counters, phases_text
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import SamplingParams
-from sits.engine.requests import make_engine_requests
+from sits.engine.output_processor import make_engine_requests
 
 SCHEMA = "sits.bench.latency/1"
 DESCRIPTION = (

@@ -89,7 +89,7 @@ def _burst(llm: Any, prompts: list[list[int]], params: Any) -> list[float]:
     Raises:
         RuntimeError: the engine reported an error for a request.
     """
-    from sits.engine.requests import make_engine_requests
+    from sits.engine.output_processor import make_engine_requests
 
     core = llm.engine_core
     arrival_s = time.monotonic()

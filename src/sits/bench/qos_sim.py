@@ -186,7 +186,7 @@ def _drive(core, clock: VirtualClock | None, mode: str, args) -> tuple:
     """Send the mix and step the engine for `args.duration_s`; returns (arrival, first token
     and last token times by request id, tokens by request id, output tokens, seconds)."""
     from sits.core.sampling_params import SamplingParams
-    from sits.engine.requests import make_engine_requests
+    from sits.engine.output_processor import make_engine_requests
 
     monotonic = time.monotonic if clock is None else clock.monotonic
     rng = random.Random(args.seed)

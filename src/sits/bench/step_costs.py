@@ -110,7 +110,7 @@ def _run_pass(core, runner_s: list[float], args, prompts, id_prefix: str) -> tup
     """One offline run of every prompt; prints its table. Returns (steps, output tok/s,
     steps with at least `args.full_batch` decodes, their mean runner ms and rows run)."""
     from sits.core.sampling_params import SamplingParams
-    from sits.engine.requests import make_engine_requests
+    from sits.engine.output_processor import make_engine_requests
 
     runner = core.runner
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)

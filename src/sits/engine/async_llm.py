@@ -64,9 +64,8 @@ from sits.engine.messages import (
     StepOutputs,
     unpack_error,
 )
-from sits.engine.output_processor import OutputProcessor
+from sits.engine.output_processor import OutputProcessor, child_request_ids, make_engine_requests
 from sits.engine.process_transport import ProcessTransport
-from sits.engine.requests import child_request_ids, make_engine_requests
 from sits.engine.stats import EngineStats, PrefillChunk, parse_tiers
 from sits.engine.thread_transport import ThreadTransport
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats

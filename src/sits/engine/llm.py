@@ -32,8 +32,7 @@ from sits.core.precision import PrecisionState
 from sits.core.request import FinishReason
 from sits.core.sampling_params import RequestOutputKind, SamplingParams
 from sits.engine.builder import build_engine
-from sits.engine.output_processor import OutputProcessor
-from sits.engine.requests import child_request_ids, make_engine_requests
+from sits.engine.output_processor import OutputProcessor, child_request_ids, make_engine_requests
 from sits.engine.tokenizer import Tokenizer
 from sits.runner.expert_health import ExpertMonitor
 
