@@ -2,7 +2,7 @@
 
 A synthetic server stands in for sits' HTTP process under a streaming load: `--streams` tasks
 each wait on an asyncio queue; every `--step-ms` one "engine step" hands an item to every queue
-(through `sits.engine.delivery.BatchedDelivery`, `--batches` items per loop iteration), and each
+(through `sits.engine.async_llm.BatchedDelivery`, `--batches` items per loop iteration), and each
 woken task spins for `--work-us` (formatting and writing its chunk). Meanwhile a client opens a
 new connection per request at `--rate` a second (as the benchmark client does) and times each
 plain GET until its response. The peer rows hand a whole step over at once (batch = streams).
@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from sits.bench.server_proc import free_port
-from sits.engine.delivery import DELIVERY_BATCH, BatchedDelivery
+from sits.engine.async_llm import DELIVERY_BATCH, BatchedDelivery
 
 ROOT = Path(__file__).resolve().parents[1]
 

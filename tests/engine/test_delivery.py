@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from sits.engine.delivery import BatchedDelivery
+from sits.engine.async_llm import BatchedDelivery
 
 
 def _delivered(queues: list[asyncio.Queue]) -> int:
