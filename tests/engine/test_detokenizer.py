@@ -7,8 +7,7 @@ import random
 import pytest
 
 from sits.core.sampling_params import SamplingParams
-from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.tokenizer import Tokenizer
+from sits.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from sits.testing.tokenizer import save_tiny_tokenizer
 
 MULTILINGUAL = "Hi! Café 你好，世界。こんにちは 😀🚀 Straße ok 👨‍👩‍👧‍👦 end"

@@ -36,8 +36,7 @@ from sits.core.outputs import (
 )
 from sits.core.request import FinishReason, Request
 from sits.core.sampling_params import RequestOutputKind, SamplingParams
-from sits.engine.detokenizer import IncrementalDetokenizer
-from sits.engine.tokenizer import Tokenizer
+from sits.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
