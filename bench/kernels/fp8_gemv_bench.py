@@ -144,7 +144,7 @@ def bench_moe(scales: str, tokens: list[int]) -> None:
 
     up_best = min(
         (c for c in moe_sweep() if gemv.gemv_fits(c, block, inter_size)),
-        key=lambda c: gemv_us(tokens[0], c, gemv.MOE_DOWN_CONFIG),
+        key=lambda c: gemv_us(tokens[0], c, gemv.moe_configs(block, inter_size)[1]),
     )
     down_best = min(
         (c for c in moe_sweep() if gemv.gemv_fits(c, block)),
@@ -162,7 +162,7 @@ def bench_moe(scales: str, tokens: list[int]) -> None:
         experts = touched_experts(ids, num_experts)
         mb = experts * shape.expert_bytes / 2 / 1e6
         best_us = gemv_us(count, up_best, down_best)
-        shipped_us = gemv_us(count, gemv.MOE_UP_CONFIG, gemv.MOE_DOWN_CONFIG)
+        shipped_us = gemv_us(count, *gemv.moe_configs(block, inter_size))
         config = backend.launch_config(hidden, copies[0][2], top_k, FP8_DTYPE)
         grouped_us = per_call_us(
             lambda q13, s13, q2, s2, b: fused_moe_fp8(

@@ -16,8 +16,10 @@ import torch
 pytest.importorskip("triton")
 
 from sits.kernels.fp8_gemv_triton import (  # noqa: E402
+    MOE_GEMV_MAX_TOKENS,
     GemvConfig,
     fused_moe_fp8_gemv,
+    moe_configs,
     triton_fp8_gemv,
 )
 from sits.kernels.fp8_ref import (  # noqa: E402
@@ -26,7 +28,9 @@ from sits.kernels.fp8_ref import (  # noqa: E402
     quantize_fp8_per_row,
     quantize_fp8_per_tensor,
 )
+from sits.kernels.moe_fp8_triton import fused_moe_fp8  # noqa: E402
 from sits.kernels.moe_ref import moe_forward_fp8, select_experts  # noqa: E402
+from sits.kernels.moe_triton import TritonMoe  # noqa: E402
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
 
 DEVICE = "cpu" if kernels_interpreted() else "cuda"
@@ -146,3 +150,21 @@ def test_moe_gemv_refuses_tiles_across_the_gate_up_boundary() -> None:
         fused_moe_fp8_gemv(x2, b13, bs13, b2, bs2, BLOCK, weights, ids, None, GemvConfig(64, 32))
     out = fused_moe_fp8_gemv(x, q13, s13, q2, s2, None, weights, ids, None, SMALL, SMALL)
     assert relative_error(out, moe_forward_fp8(x, q13, s13, q2, s2, None, weights, ids)) < TIGHT
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "channel"])
+def test_experts_fp8_runs_the_gemv_up_to_its_token_bound(block) -> None:
+    """TritonMoe's default grouped configs step K by 128: whole 128-wide scale blocks."""
+    backend = TritonMoe()
+    num = MOE_GEMV_MAX_TOKENS
+    x, q13, s13, q2, s2, weights, ids = make_experts(num + 1, 8, 2, 128, 128, block, seed=4)
+    up, down = moe_configs(block, 128)
+    small = backend.experts_fp8(x[:num], q13, s13, q2, s2, block, weights[:num], ids[:num])
+    gemv = fused_moe_fp8_gemv(
+        x[:num], q13, s13, q2, s2, block, weights[:num], ids[:num], None, up, down
+    )
+    assert torch.equal(small, gemv)
+    large = backend.experts_fp8(x, q13, s13, q2, s2, block, weights, ids)
+    config = backend.launch_config(x, q2, 2, q2.dtype)
+    assert torch.equal(large, fused_moe_fp8(x, q13, s13, q2, s2, block, weights, ids, config))
+    assert moe_configs((40, 128), 128) is None  # 16-row tiles would cross 40-row scale blocks

@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from sits.kernels import moe_triton  # noqa: E402
+from sits.kernels.fp8_gemv_triton import MOE_GEMV_MAX_TOKENS  # noqa: E402
 from sits.kernels.fp8_ref import FP8_DTYPE, quantize_fp8_block, quantize_fp8_per_row  # noqa: E402
 from sits.kernels.moe_config import (  # noqa: E402
     GemmConfig,
@@ -207,4 +208,6 @@ def test_fp8_moe_block_keeps_the_triton_backend() -> None:
     with torch.no_grad():
         out = block(x)
         weights, ids = select_experts(block.gate(x), 2, True)
-    assert_matches_references(out, x, q13, s13, q2, s2, BLOCK, weights, ids)
+    assert x.shape[0] <= MOE_GEMV_MAX_TOKENS  # 5 tokens: the weight-only GEMV
+    expected = moe_forward_fp8(x, q13, s13, q2, s2, BLOCK, weights, ids)
+    assert relative_error(out, expected) < TIGHT

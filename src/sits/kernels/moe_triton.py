@@ -476,10 +476,11 @@ class TritonMoe:
             w13 = dequantize_fp8(w13, w13_scale, block, hidden.dtype)  # [E, 2I, H]
             w2 = dequantize_fp8(w2, w2_scale, block, hidden.dtype)  # [E, H, I]
             return self.experts(hidden, w13, w2, topk_weights, topk_ids, nonfinite_experts)
-        if hidden.shape[0] <= gemv.MOE_GEMV_MAX_TOKENS and gemv.moe_gemv_fits(block, w2.shape[2]):
+        gemv_configs = gemv.moe_configs(block, w2.shape[2])
+        if hidden.shape[0] <= gemv.MOE_GEMV_MAX_TOKENS and gemv_configs is not None:
             return gemv.fused_moe_fp8_gemv(
                 hidden, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids,
-                nonfinite_experts, gemv.MOE_UP_CONFIG, gemv.MOE_DOWN_CONFIG,
+                nonfinite_experts, *gemv_configs,
             )  # fmt: skip
         config = self.launch_config(hidden, w2, top_k, FP8_DTYPE)
         return fused_moe_fp8(
