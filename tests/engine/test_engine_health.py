@@ -8,7 +8,7 @@ import types
 
 from sits.engine import engine_loop
 from sits.engine.async_llm import AsyncLLM
-from sits.engine.health import LoopTimes, SharedLoopTimes, hung_loop_error
+from sits.engine.engine_loop import LoopTimes, SharedLoopTimes, hung_loop_error
 
 
 def test_hung_loop_error_bounds_a_step_and_the_time_between_steps() -> None:

@@ -39,8 +39,7 @@ from sits.cli.fleet_flags import (
 from sits.config import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, TRACING_ENVS, env_values
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
-from sits.engine.arg_utils import add_engine_args, engine_kwargs
-from sits.engine.health import ENGINE_STEP_TIMEOUT_S
+from sits.engine.arg_utils import ENGINE_STEP_TIMEOUT_S, add_engine_args, engine_kwargs
 from sits.server.http_impl import HTTP_CHOICES, LOOP_CHOICES
 
 if TYPE_CHECKING:

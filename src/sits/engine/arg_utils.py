@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# The default of `--engine-step-timeout` (`AsyncLLM.step_timeout_s`, `hung_loop_error`); here, in
+# a module that imports nothing heavy, so `sits serve` reads it without loading the engine.
+ENGINE_STEP_TIMEOUT_S = 60.0  # as vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
+
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
     """Add the `EngineConfig` flags to a parser."""

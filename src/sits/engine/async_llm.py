@@ -47,7 +47,8 @@ from sits.core.outputs import EngineCoreOutput, RequestOutput
 from sits.core.precision import PrecisionState
 from sits.core.request import FinishReason
 from sits.core.sampling_params import SamplingParams
-from sits.engine.health import ENGINE_STEP_TIMEOUT_S, hung_loop_error
+from sits.engine.arg_utils import ENGINE_STEP_TIMEOUT_S
+from sits.engine.engine_loop import hung_loop_error
 from sits.engine.messages import (
     AddFailed,
     AddRequest,

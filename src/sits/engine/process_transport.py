@@ -41,8 +41,7 @@ from typing import Any
 from sits.config import EngineConfig
 from sits.core.errors import EngineDeadError, SitsError
 from sits.engine.builder import build_engine
-from sits.engine.engine_loop import EngineDriver, EngineLoop
-from sits.engine.health import SharedLoopTimes
+from sits.engine.engine_loop import EngineDriver, EngineLoop, SharedLoopTimes
 from sits.engine.messages import (
     Command,
     Event,

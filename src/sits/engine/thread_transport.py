@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from sits.config import EngineConfig
 from sits.engine.builder import build_engine
-from sits.engine.engine_loop import EngineDriver, EngineLoop
-from sits.engine.health import LoopTimes
+from sits.engine.engine_loop import EngineDriver, EngineLoop, LoopTimes
 from sits.engine.messages import Command, Event, Stop
 from sits.engine.stats import EngineStats
 from sits.sched.config import TenantPolicy
