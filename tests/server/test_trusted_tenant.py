@@ -10,10 +10,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 
 from sits.core.fleet import TENANT_HEADER
-from sits.server.auth import request_tenant, require_model_reader, require_tenant
 from sits.server.context import ServerSettings
 from sits.server.errors import install_error_handlers
-from sits.server.qos.admit import QosSettings
+from sits.server.qos.admit import (
+    QosSettings,
+    request_tenant,
+    require_model_reader,
+    require_tenant,
+)
 from sits.tenancy import TenantsConfig
 from tests.server.live import LiveServer
 from tests.server.tenant_fixtures import NEVER_OVERLOADED, key_of, scrape, tenant, tenant_engine

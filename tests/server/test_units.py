@@ -9,7 +9,6 @@ import pytest
 from sits.core.errors import EngineDeadError, InvalidParameterError
 from sits.core.outputs import Logprob
 from sits.core.sampling_params import RequestOutputKind
-from sits.server.auth import keys_match
 from sits.server.errors import ServerError, to_server_error
 from sits.server.logprobs import (
     MIN_LOGPROB,
@@ -26,6 +25,7 @@ from sits.server.params import (
 )
 from sits.server.protocol_chat import ChatCompletionRequest
 from sits.server.protocol_completion import CompletionRequest
+from sits.server.qos.admit import keys_match
 from sits.server.serving_common import drop_double_bos
 
 

@@ -41,8 +41,8 @@ from sits.router.prober import Prober
 from sits.router.proxy import Proxy
 from sits.router.registry import Registry
 from sits.router.settings import RouterSettings
-from sits.server.auth import keys_match, presented_key
 from sits.server.errors import ServerError, error_response, install_error_handlers
+from sits.server.qos.admit import keys_match, presented_key
 
 logger = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ from sits.router.predictor import fallback_needed, predict_ttft_p99_s
 from sits.router.registry import Registry, Replica
 from sits.router.relay import StreamRelay
 from sits.router.settings import RouterSettings
-from sits.server.auth import presented_key
 from sits.server.errors import ServerError
 from sits.server.jobs import ClientDisconnected, SSEResponse, run_until_disconnect
+from sits.server.qos.admit import presented_key
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from sits.server.auth import keys_match, presented_key
 from sits.server.errors import ServerError, unavailable
 from sits.server.precision import precision_json
+from sits.server.qos.admit import keys_match, presented_key
 
 _ENGINE_CALL_TIMEOUT_S = 10.0
 

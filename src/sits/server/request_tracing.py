@@ -76,8 +76,7 @@ from sits.obs.trace_spans import (
 )
 from sits.obs.tracing import ERROR_TYPE, SLO_VIOLATED, Tracing, TracingSettings
 from sits.server.jobs import EnginePrompt, GenerationJob
-from sits.server.qos.admit import Outcome, outcome_of
-from sits.server.qos.headers import TENANT_STATE_KEY
+from sits.server.qos.admit import TENANT_STATE_KEY, Outcome, outcome_of
 from sits.tenancy import TenantConfig
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from sits.obs.server_metrics import CONTENT_TYPE
-from sits.server.auth import require_model_reader, require_tenant
 from sits.server.context import ServerContext
 from sits.server.errors import draining_error, error_response, unavailable, unsupported
 from sits.server.protocol import ModelCard, ModelList
@@ -29,6 +28,7 @@ from sits.server.protocol_tokenize import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from sits.server.qos.admit import require_model_reader, require_tenant
 from sits.server.serving_chat import create_chat_completion, template_messages
 from sits.server.serving_common import check_prompt_ids, drop_double_bos, encode_prompt
 from sits.server.serving_completion import create_completion

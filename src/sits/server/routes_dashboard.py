@@ -52,9 +52,9 @@ from sits.obs.dashboard_data import (
     timeline_json,
 )
 from sits.obs.timeline import latency_summary
-from sits.server.auth import keys_match, presented_key
 from sits.server.errors import ServerError
 from sits.server.precision import engine_precision
+from sits.server.qos.admit import keys_match, presented_key
 
 if TYPE_CHECKING:
     from sits.server.context import ServerContext

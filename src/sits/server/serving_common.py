@@ -41,7 +41,6 @@ from pydantic import BaseModel
 from sits.admission import retry_after_headers
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import CompletionOutput, Logprob, RequestOutput
-from sits.server.auth import request_tenant, require_tenant
 from sits.server.context import ServerContext, Ticket
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
@@ -57,8 +56,14 @@ from sits.server.jobs import (
 )
 from sits.server.precision import PRECISION_HEADER
 from sits.server.protocol import PromptTokensDetails, UsageInfo
-from sits.server.qos.admit import Outcome, QosTicket, outcome_of
-from sits.server.qos.headers import TENANT_STATE_KEY
+from sits.server.qos.admit import (
+    TENANT_STATE_KEY,
+    Outcome,
+    QosTicket,
+    outcome_of,
+    request_tenant,
+    require_tenant,
+)
 from sits.server.request_tracing import received_at
 from sits.tenancy import TenantConfig
 

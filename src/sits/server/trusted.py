@@ -8,8 +8,8 @@ time) is the router's: the router has authenticated the client already and names
 - another id -> 401, code "unknown_tenant";
 - no header (or an empty one) -> the default tenant when the server has no tenants file, else
   401, code "missing_tenant_header" (a tenants file means every request names its tenant).
-The header from any other key is never read (`sits.server.auth.require_tenant`): only the router
-can choose a tenant that way.
+The header from any other key is never read (`sits.server.qos.admit.require_tenant`): only the
+router can choose a tenant that way.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ At `http.response.start` it adds, unless the response already has them:
 - the authenticated tenant's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (a
   tenant with rate limits; the values are read at that moment, so a non-streamed answer shows
   its reconciled tokens and a stream shows them as of its first byte).
-The tenant is what the auth dependency stored in the request state under `TENANT_STATE_KEY`.
+The tenant is what `admit.require_tenant` stored in the request state under `TENANT_STATE_KEY`.
 Responses of unexpected exceptions (500 from Starlette's outermost error middleware) do not
 pass through here; the serving code turns engine failures into `ServerError`s so they do.
 """
@@ -16,9 +16,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sits.admission import OVERLOAD_HEADER
-from sits.server.qos.admit import ServerQos
-
-TENANT_STATE_KEY = "sits_tenant"
+from sits.server.qos.admit import TENANT_STATE_KEY, ServerQos
 
 
 class QosHeadersMiddleware:
