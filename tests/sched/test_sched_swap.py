@@ -86,6 +86,7 @@ def test_victim_swaps_out_and_resumes_without_recompute() -> None:
     assert plan.swap_out == [(2, 0), (4, 1)] and plan.swap_in == []
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.WAITING, 8, 1)
     assert scheduler.host.num_free_blocks == 2 and scheduler.kv.get_block_ids("B") == []
+    assert scheduler.num_host_blocks_used == 2
     assert summary(step()) == [("A", 9, 1, True)]
     assert summary(step()) == [("A", 10, 1, True)]  # A finishes
     # Step 9: B gets 3 device blocks, its 2 host blocks are copied back, and it decodes on.
@@ -151,6 +152,7 @@ def test_without_host_blocks_the_tier_bookkeeping_never_runs(
         monkeypatch.setattr(swapper, name, never)
     for name in ("begin_step", "allocate", "read", "free", "lookup", "store"):
         monkeypatch.setattr(swapper.host, name, never)
+    monkeypatch.setattr(type(swapper.host), "num_used_blocks", property(never))
     scheduler.add_request(make_request("A", [1, 2, 3, 4], max_tokens=8, arrival_time=1.0))
     scheduler.add_request(make_request("B", [5, 6, 7, 8], max_tokens=8, arrival_time=2.0))
     scheduler.add_request(make_request("C", [9, 10, 11, 12], max_tokens=8, arrival_time=3.0))
@@ -166,6 +168,7 @@ def test_without_host_blocks_the_tier_bookkeeping_never_runs(
     # block hits.
     assert resumes == [("B", 4, 5, True) if prefix_caching else ("B", 0, 9, True)]
     assert scheduler.num_preemptions == 2 and scheduler.num_free_blocks == 4
+    assert scheduler.num_host_blocks_used == 0
     stats = scheduler.swap_stats
     assert (stats.num_swap_preemptions, stats.num_recompute_preemptions) == (0, 2)
     assert stats.num_recomputed_tokens == 4 + 8

@@ -382,7 +382,7 @@ def snapshot_stats(
         num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
         num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
         swap=dataclasses.replace(sched.swap_stats),
-        num_host_blocks_used=sched.host.num_used_blocks,
+        num_host_blocks_used=sched.num_host_blocks_used,
         num_host_blocks_total=sched.config.num_host_blocks,
         experts=experts,
         busy_s=core.stats.busy_s,

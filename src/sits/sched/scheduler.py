@@ -202,6 +202,13 @@ class Scheduler:
         return self.state.swapper.host
 
     @property
+    def num_host_blocks_used(self) -> int:
+        """Host KV blocks held by swapped-out requests; 0 without a host tier (no host block is
+        ever used then, so the pool is not asked)."""
+        swapper = self.state.swapper
+        return swapper.host.num_used_blocks if swapper.enabled else 0
+
+    @property
     def swap_stats(self) -> SwapStats:
         """Cumulative swap / recompute preemption counters."""
         return self.state.swapper.stats
