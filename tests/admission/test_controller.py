@@ -6,11 +6,13 @@ import pytest
 
 from sits.admission import (
     AdmissionController,
+    AdmissionTicket,
     FakeClock,
     RateLimitSnapshot,
     RejectReason,
     ratelimit_headers,
 )
+from sits.admission.controller import TenantLimiter
 from sits.core.errors import InvalidParameterError
 from sits.tenancy import TenantConfig, TenantsConfig, hash_api_key
 
@@ -168,6 +170,47 @@ def test_unlimited_tenant_is_always_admitted() -> None:
     assert ratelimit_headers(decisions[-1]) == {}
     assert decisions[-1].ticket.reserved_tokens == 0
     assert ctl.stats("default").num_running == 100
+
+
+def test_unlimited_tenant_is_served_without_its_limiter(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object) -> None:
+        raise AssertionError("the limiter of a tenant without limits was asked")
+
+    for name in ("check_request_size", "check_rate", "admit", "release", "snapshot"):
+        monkeypatch.setattr(TenantLimiter, name, never)
+    clock = FakeClock(2.0)
+    ctl = AdmissionController(TenantsConfig.default(), clock)
+    assert ctl.check_request_size("default", 10**9, 10**9) is None
+    first = ctl.try_admit("default", 10, 5)
+    clock.set(3.5)
+    second = ctl.try_admit("default", 10**9, 10**9)
+    assert first.rate_limits == second.rate_limits == RateLimitSnapshot()
+    assert (first.ticket, second.ticket) == (
+        AdmissionTicket(0, "default", 0, 2.0),
+        AdmissionTicket(1, "default", 0, 3.5),
+    )
+    stats = ctl.stats("default")
+    assert (stats.num_running, stats.reserved_tokens, stats.num_admitted) == (2, 0, 2)
+    assert stats.num_rejected == {}
+    assert ctl.release(first.ticket, used_tokens=15) and not ctl.release(first.ticket, 15)
+    assert ctl.stats("default").num_running == 1
+    with pytest.raises(InvalidParameterError):
+        ctl.try_admit("default", -1, 1)
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        "requests_per_minute",
+        "tokens_per_minute",
+        "max_concurrent",
+        "max_tokens_per_request",
+        "max_prompt_tokens",
+    ],
+)
+def test_any_one_limit_makes_the_limiter_check(limit: str) -> None:
+    assert TenantLimiter.create(TenantConfig(id="t"), 0.0).unlimited
+    assert not TenantLimiter.create(TenantConfig(id="t", **{limit: 1}), 0.0).unlimited
 
 
 def test_bad_inputs() -> None:

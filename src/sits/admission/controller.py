@@ -18,7 +18,10 @@ Also here:
   its checks. A check changes nothing but the buckets' refill; `admit` charges one request and
   `prompt_tokens + max_tokens` tokens and counts one running request; `release` un-counts it
   and reconciles the token charge with the real usage (unused tokens refunded, overuse charged
-  as a debt). Time is an argument (seconds).
+  as a debt). Time is an argument (seconds). A tenant without any limit (`unlimited`, fixed at
+  creation: the default tenant without `--tenants`) has nothing to check or charge, so the
+  controller only counts its running and admitted requests, without asking its limiter; the
+  decisions, tickets and stats are those the checks would give.
 - The injected clocks (`Clock`, `SystemClock`, `FakeClock`): admission code (and the router's
   policies) read time only through a `Clock`, so tests are exact. Invariant: `monotonic()`
   never decreases (FakeClock refuses to go back). This module imports no other admission
@@ -134,11 +137,14 @@ class TenantLimiter:
         reserved_tokens: tokens held by running requests (prompt + max_tokens each).
         num_admitted: requests admitted since start.
         num_rejected: rejections since start, by reason.
+        unlimited: the tenant has no limit at all (no rate, concurrency or per-request limit):
+            no check can refuse it and nothing is charged (see the module docstring).
     """
 
     tenant: TenantConfig
     requests: TokenBucket | None
     tokens: TokenBucket | None
+    unlimited: bool = False
     num_running: int = 0
     reserved_tokens: int = 0
     num_admitted: int = 0
@@ -148,10 +154,18 @@ class TenantLimiter:
     def create(cls, tenant: TenantConfig, now_s: float, period_s: float = MINUTE_S):
         """Full buckets for the tenant's per-minute limits (refilled over `period_s`)."""
         rpm, tpm = tenant.requests_per_minute, tenant.tokens_per_minute
+        limits = (
+            rpm,
+            tpm,
+            tenant.max_concurrent,
+            tenant.max_tokens_per_request,
+            tenant.max_prompt_tokens,
+        )
         return cls(
             tenant=tenant,
             requests=None if rpm is None else TokenBucket.full(rpm, period_s, now_s),
             tokens=None if tpm is None else TokenBucket.full(tpm, period_s, now_s),
+            unlimited=all(limit is None for limit in limits),
         )
 
     def check_request_size(self, prompt_tokens: int, max_tokens: int) -> Refusal | None:
@@ -261,6 +275,8 @@ class TenantLimiter:
 
 
 _WAIT_EPS_S = 1e-9
+# The rate-limit view of a tenant without rate limits (what `TenantLimiter.snapshot` gives).
+_NO_RATE_LIMITS = RateLimitSnapshot()
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,8 +340,10 @@ class AdmissionController:
         counted as a rejection, or None; consumes nothing. The server asks this before any
         overload decision, so a request that can never run is told so instead of being shed
         with a Retry-After."""
+        limiter = self._limiter(tenant)
+        if limiter.unlimited:
+            return None
         with self._lock:
-            limiter = self._limiter(tenant)
             refusal = limiter.check_request_size(prompt_tokens, max_tokens)
             if refusal is None:
                 return None
@@ -364,6 +382,10 @@ class AdmissionController:
         with self._lock:
             limiter = self._limiter(tenant)
             now_s = self._clock.monotonic()
+            if limiter.unlimited:  # nothing to check or charge: count it (as `admit` does)
+                limiter.num_running += 1
+                limiter.num_admitted += 1
+                return AdmissionDecision(self._issue(limiter, 0, now_s), _NO_RATE_LIMITS)
             total = prompt_tokens + max_tokens
             refusal = limiter.check_request_size(prompt_tokens, max_tokens)
             if refusal is None:
@@ -383,10 +405,15 @@ class AdmissionController:
                     param=refusal.param,
                 )
             reserved = limiter.admit(total, now_s)
-            ticket = AdmissionTicket(self._next_ticket_id, limiter.tenant.id, reserved, now_s)
-            self._next_ticket_id += 1
-            self._active[ticket.ticket_id] = ticket
+            ticket = self._issue(limiter, reserved, now_s)
             return AdmissionDecision(ticket=ticket, rate_limits=limiter.snapshot(now_s))
+
+    def _issue(self, limiter: TenantLimiter, reserved_tokens: int, now_s: float) -> AdmissionTicket:
+        """A new ticket of an admitted request, kept until `release` (call under the lock)."""
+        ticket = AdmissionTicket(self._next_ticket_id, limiter.tenant.id, reserved_tokens, now_s)
+        self._next_ticket_id += 1
+        self._active[ticket.ticket_id] = ticket
+        return ticket
 
     def release(self, ticket: AdmissionTicket, used_tokens: int) -> bool:
         """End an admitted request: free its concurrency slot and reconcile its tokens.
@@ -403,6 +430,10 @@ class AdmissionController:
             if self._active.pop(ticket.ticket_id, None) is None:
                 return False
             limiter = self._limiters[ticket.tenant_id]
+            if limiter.unlimited:  # nothing reserved, no bucket to reconcile
+                assert limiter.num_running > 0, "release without a running request"
+                limiter.num_running -= 1
+                return True
             limiter.release(ticket.reserved_tokens, max(0, used_tokens), self._clock.monotonic())
             return True
 
