@@ -499,11 +499,23 @@ class TritonMoe:
         nonfinite_experts: Tensor | None = None,
     ) -> Tensor:
         """INT4 w4a16 experts (`moe_ref.moe_forward_int4`'s arguments: (packed, scale, zero or
-        None) per weight): [T, H] in hidden's dtype, no host sync
-        (`moe_int4_triton.fused_moe_int4` with its own default launch shapes)."""
+        None) per weight): [T, H] in hidden's dtype, no host sync: up to
+        `int4_gemv_triton.MOE_INT4_GEMV_MAX_TOKENS` tokens the per-pair GEMV, past them
+        `moe_int4_triton.fused_moe_int4` with its own default launch shapes."""
         # Imported here: moe_int4_triton imports this module's kernels.
+        from sits.kernels import int4_gemv_triton as gemv
         from sits.kernels.moe_int4_triton import fused_moe_int4
 
+        up, down = gemv.MOE_UP_CONFIG, gemv.MOE_DOWN_CONFIG
+        inter_size = w2[0].shape[2] * 8
+        if (
+            hidden.shape[0] <= gemv.MOE_INT4_GEMV_MAX_TOKENS
+            and gemv.int4_gemv_fits(group_size, hidden.shape[1], up)
+            and gemv.int4_gemv_fits(group_size, inter_size, down)
+        ):  # decode: one GEMV per token-expert pair
+            return gemv.fused_moe_int4_gemv(
+                hidden, w13, w2, group_size, topk_weights, topk_ids, nonfinite_experts, up, down
+            )
         return fused_moe_int4(
             hidden, w13, w2, group_size, topk_weights, topk_ids, None, nonfinite_experts
         )
