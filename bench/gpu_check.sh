@@ -71,10 +71,11 @@
 #   quant    issue-25 end-to-end figures, each quantized run beside bf16 in the same call:
 #            qwen3-30b-a3b FP8 / INT4 batch 1 and batch 10 latency, 256 x 512/128 offline, and
 #            llama-3.1-8b FP8 weights + fp8 KV 1000 x 1000/1000 (QUANT_SKIP_LLAMA=1 skips it)
-#   gemv     the FP8 weight-only GEMV kernels (decode, 1-16 tokens): their tests compiled, the
-#            FP8 kernel tests whose dispatch they join, bench/kernels/fp8_gemv_bench.py (config
-#            sweep, vs the tiled FP8 kernels and bf16), then qwen3-30b-a3b FP8 batch-1 latency
-#            on GEMV_BEFORE_SRC (a tree without them, if set: an A/B) and on this tree (~6 min)
+#   gemv     the FP8 and INT4 weight-only GEMV kernels (decode): their tests compiled, the
+#            FP8 / INT4 kernel tests whose dispatch they join, bench/kernels/fp8_gemv_bench.py
+#            and int4_gemv_bench.py (config sweeps, vs the tiled kernels and bf16), then
+#            qwen3-30b-a3b FP8 and INT4 batch-1 latency on GEMV_BEFORE_SRC (a tree without
+#            them, if set: an A/B) and on this tree (~8 min)
 #   quant_decode  issue-25 FP8 decode: the fused FP8 MoE's tests and micro-benchmark
 #            (1-256 tokens), the FP8 GEMM tuner at M = 1 for the qwen3 shapes (per-row
 #            scales; its entries merged into the shipped JSONs, also copied to $OUT_DIR), then
@@ -404,18 +405,24 @@ PY
 fi
 if has gemv; then
   run gemv_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "gpu or not gpu" \
-    tests/kernels/test_fp8_gemv_triton.py tests/kernels/test_fp8_gemm_triton.py \
+    tests/kernels/test_fp8_gemv_triton.py tests/kernels/test_int4_gemv_triton.py \
+    tests/kernels/test_moe_int4_triton.py tests/kernels/test_w4a16_gemm_triton.py \
+    tests/kernels/test_fp8_gemm_triton.py \
     tests/kernels/test_fp8_gemm_triton_gpu.py tests/kernels/test_moe_fp8_triton.py \
     tests/kernels/test_moe_fp8_triton_gpu.py
   run gemv_bench timeout "${GEMV_BENCH_S:-300}" python3 bench/kernels/fp8_gemv_bench.py ${GEMV_BENCH_ARGS:-}
-  gemv_b1() {  # gemv_b1 NAME SRC: qwen3-30b-a3b FP8 batch 1 512/256 on source tree SRC
+  run int4_gemv_bench timeout "${GEMV_BENCH_S:-300}" python3 bench/kernels/int4_gemv_bench.py \
+    ${INT4_GEMV_BENCH_ARGS:-}
+  gemv_b1() {  # gemv_b1 NAME SRC [QUANT]: qwen3-30b-a3b batch 1 512/256 on source tree SRC
     PYTHONPATH="$2${PYTHONPATH#"${SITS_SRC:-$PWD/src}"}" run "$1" python3 -m sits.cli.main \
-      bench latency --random-weights qwen3-30b-a3b --quantization fp8 --batch-size 1 \
+      bench latency --random-weights qwen3-30b-a3b --quantization "${3:-fp8}" --batch-size 1 \
       --input-len 512 --output-len 256 --num-iters 3 --num-iters-warmup 1 \
       --output-json "$OUT_DIR/$1.json"
   }
   [[ -n ${GEMV_BEFORE_SRC:-} ]] && gemv_b1 gemv_qwen3_b1_fp8_before "$GEMV_BEFORE_SRC"
   gemv_b1 gemv_qwen3_b1_fp8 "${SITS_SRC:-$PWD/src}"
+  [[ -n ${GEMV_BEFORE_SRC:-} ]] && gemv_b1 gemv_qwen3_b1_int4_before "$GEMV_BEFORE_SRC" int4
+  gemv_b1 gemv_qwen3_b1_int4 "${SITS_SRC:-$PWD/src}" int4
 fi
 # precision: the issue-25 switch under load (sits bench precision-switch, ~2 min each with the
 # start): 128 x 256/1024 through AsyncLLM, 20 switches bf16 <-> fp8 (then int4) every 40
