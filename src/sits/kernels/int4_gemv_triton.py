@@ -1,4 +1,4 @@
-"""Triton kernels: INT4 weight-only (w4a16) GEMV for decode-sized steps, dense and fused MoE.
+"""Triton kernels: INT4 weight-only (w4a16) GEMV for decode-sized steps of the fused MoE.
 
 The INT4 twin of `fp8_gemv_triton`: at one to a few tokens a projection is a memory-bound
 matrix-vector product, and the tiled w4a16 kernels (`w4a16_gemm_triton`, `moe_int4_triton`)
@@ -12,7 +12,7 @@ float32 tile; the group's sums are then scaled once:
 
 so the zero point and scale cost one multiply per group, not per weight.
 
-Kernels: `int4_gemv_kernel` (dense: program (m, n tile)), `moe_int4_gemv_up_kernel` (program
+Kernels: `moe_int4_gemv_up_kernel` (program
 (pair, n tile): SiLU(gate) * up of the pair's expert, rounded to hidden's dtype) and
 `moe_int4_gemv_down_kernel` (program (pair, n tile): the pair's expert output row); then
 `moe_triton.launch_topk_sum` weighs and sums each token's rows (non-finite flags included).
@@ -20,7 +20,7 @@ Kernels: `int4_gemv_kernel` (dense: program (m, n tile)), `moe_int4_gemv_up_kern
 Invariants:
 - The weight layout of `kernels.int4_ref` (packed [N, K / 8] int32, scale [N, K / G] float32,
   zero [N, K / G] uint8 or None = 8), G a multiple of 8 with G / 8 a power of two, K a
-  multiple of G. The result is `int4_ref.w4a16_linear` / `moe_ref.moe_forward_int4` up to
+  multiple of G. The result is `moe_ref.moe_forward_int4` up to
   float32 summation order (codes, zero points and scales are exact in float32).
 - Pairs of expert id -1 return at once (no row written; the top-k sum never reads it).
 - No host synchronisation, launches fixed by the shapes: CUDA-graph capturable.
@@ -43,8 +43,11 @@ from sits.kernels.int4_ref import PACK
 from sits.kernels.moe_triton import launch_topk_sum
 from sits.kernels.triton_utils import cdiv
 
-INT4_GEMV_MAX_ROWS = 1  # dense: up to this many tokens the GEMV runs
 MOE_INT4_GEMV_MAX_TOKENS = 8  # fused MoE: up to this many tokens the per-pair GEMV runs
+# H200 (bench/kernels/int4_gemv_bench.py, 2026-12-02): with the configs below the MoE GEMV is
+# 1.6x the grouped w4a16 kernel at 1 and 4 tokens. A dense GEMV built the same way was 0.7-1.2x
+# the tiled w4a16 GEMM at one token (nibble unpacking bounds it on long rows), so dense INT4
+# projections keep the tiled kernel.
 Int4Weight = tuple[Tensor, Tensor, Tensor | None]  # (packed, scale, zero or None)
 
 
@@ -73,9 +76,8 @@ class Int4GemvConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-DENSE_CONFIG = Int4GemvConfig(16, 2, 4, 2)
-MOE_UP_CONFIG = Int4GemvConfig(8, 2, 4, 2)
-MOE_DOWN_CONFIG = Int4GemvConfig(16, 2, 4, 2)
+MOE_UP_CONFIG = Int4GemvConfig(32, 4, 4, 3)
+MOE_DOWN_CONFIG = Int4GemvConfig(32, 2, 4, 2)
 
 
 @triton.jit
@@ -117,41 +119,6 @@ def int4_rows_dot(
             zero = tl.full((BLOCK_N, GROUPS), 8.0, tl.float32)
         acc += scale * (group_dots - zero * group_x[None, :])
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def int4_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    z_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    num_words,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    stride_om,
-    HAS_ZERO: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUP_WORDS: tl.constexpr,
-    GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Program (m, n tile): out[m, n0:n0 + BLOCK_N] = x[m] @ dequantize(w)[n0:n0 + BLOCK_N].T."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)[:, None]
-    out = int4_rows_dot(
-        x_ptr + row * stride_xm, w_ptr + rows * stride_wn, s_ptr + rows * stride_sn,
-        z_ptr + rows * stride_zn, mask_n, num_words, HAS_ZERO, GROUP_WORDS, GROUPS, BLOCK_N,
-    )  # fmt: skip
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -280,52 +247,6 @@ def _zero_args(weight: Int4Weight) -> tuple[Tensor, tuple[int, ...]]:
     if zero is None:
         return packed, (0,) * packed.dim()
     return zero, zero.stride()
-
-
-def triton_int4_gemv(
-    x: Tensor,
-    weight: Int4Weight,
-    group_size: int,
-    bias: Tensor | None = None,
-    config: Int4GemvConfig = DENSE_CONFIG,
-) -> Tensor:
-    """y = x @ dequantize_int4(weight).T (+ bias), one program per (token, row tile).
-
-    Args:
-        x: [M, K] float32/float16/bfloat16 (M small: decode).
-        weight: (packed [N, K / 8] int32, scale [N, K / G] float32, zero [N, K / G] uint8 or
-            None), the `int4_ref` layout.
-        group_size: G.
-        bias: [N] or None.
-        config: launch shape.
-
-    Returns:
-        [M, N] in x's dtype.
-
-    Raises:
-        ValueError: a layout the kernel does not compute (see `int4_gemv_fits`, `int4_ref`).
-    """
-    packed, scale, zero = weight
-    num_rows, num_inner = x.shape
-    num_cols = packed.shape[0]
-    _check(weight, num_cols, num_inner, group_size, "weight")
-    if not int4_gemv_fits(group_size, num_inner, config):
-        raise ValueError(f"group size {group_size} / K {num_inner} do not fit the GEMV {config}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
-    if num_rows == 0 or num_cols == 0:
-        return out
-    z, z_strides = _zero_args(weight)
-    int4_gemv_kernel[(num_rows, cdiv(num_cols, config.block_n))](
-        x, packed, scale, z, bias if bias is not None else out, out, num_cols,
-        num_inner // PACK, x.stride(0), packed.stride(0), scale.stride(0), z_strides[0],
-        out.stride(0),
-        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        GROUP_WORDS=group_size // PACK, GROUPS=config.groups, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return out
 
 
 def fused_moe_int4_gemv(

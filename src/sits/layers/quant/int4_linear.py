@@ -113,19 +113,11 @@ class Int4Weights:
         group = self.quant.group_size or 0
         if not self.quant.desc_act:
             if x.is_cuda and has_triton():  # the w4a16 GEMM, dequantized in the kernel
-                from sits.kernels import int4_gemv_triton as gemv
                 from sits.kernels.w4a16_gemm_triton import (
                     triton_w4a16_linear,
                     w4a16_gemm_supported,
                 )
 
-                weight = (self.weight, self.weight_scale, self.weight_zero)
-                if (
-                    x.dim() == 2
-                    and x.shape[0] <= gemv.INT4_GEMV_MAX_ROWS
-                    and gemv.int4_gemv_fits(group, self.in_features, gemv.DENSE_CONFIG)
-                ):  # decode: the GEMV
-                    return gemv.triton_int4_gemv(x, weight, group, self.bias, gemv.DENSE_CONFIG)
                 if w4a16_gemm_supported(x.device):
                     return triton_w4a16_linear(
                         x, self.weight, self.weight_scale, self.weight_zero, group, self.bias
