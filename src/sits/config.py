@@ -109,6 +109,15 @@ class EngineConfig:
             default) = $SITS_CPU_THREADS, else torch's own count when OMP_NUM_THREADS or
             MKL_NUM_THREADS is set, else DEFAULT_CPU_THREADS; 0 = leave torch's setting as
             it is (e.g. your own `torch.set_num_threads`); N > 0 = N threads.
+        tensor_parallel_size: ranks the model runs on (vLLM's `--tensor-parallel-size`):
+            1 (the default) = this process alone; N > 1 = this process is rank 0 (it
+            schedules) and N - 1 worker processes run every step with it
+            (`sits.runner.tp_executor`): gloo on a CPU, NCCL on CUDA devices cuda:0..N-1.
+            With N > 1, async_scheduling, precision_switch and num_spare_experts are refused
+            and CUDA graphs are not captured (every step runs eagerly).
+        tensor_parallel_timeout_s: seconds a collective between the ranks may wait (the
+            gloo/NCCL timeout) before the step fails with `TensorParallelWorkerError`: a hung
+            worker fails the engine within this time.
     """
 
     model: str
@@ -137,6 +146,8 @@ class EngineConfig:
     tpot_pacing_fraction: float = 0.9
     tpot_pacing_min_prefill_tokens: int = 0
     cpu_threads: int | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -197,6 +208,7 @@ class EngineConfig:
             raise InvalidParameterError(
                 "cpu_offload_gb", f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}"
             )
+        _check_tensor_parallel(self)
 
     def with_changes(self, **changes: object) -> EngineConfig:
         """A copy with some fields replaced (validated again)."""
@@ -208,6 +220,40 @@ class EngineConfig:
 
 
 PRECISION_SWITCH_SCHEMES = ("fp8", "int4")
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse a tensor_parallel_size below 1, a timeout that is not a positive number of
+    seconds, and with more than one rank the features the executor does not carry to its
+    workers yet (`sits.runner.tp_executor`).
+
+    Raises:
+        InvalidParameterError: as said, naming the field and its value.
+    """
+    size = config.tensor_parallel_size
+    if size < 1:
+        raise InvalidParameterError(
+            "tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {size}"
+        )
+    timeout_s = config.tensor_parallel_timeout_s
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidParameterError(
+            "tensor_parallel_timeout_s",
+            f"tensor_parallel_timeout_s must be > 0 seconds, got {timeout_s}",
+        )
+    if size == 1:
+        return
+    refused = {
+        "async_scheduling": config.async_scheduling,
+        "precision_switch": config.precision_switch is not None,
+        "num_spare_experts": config.num_spare_experts > 0,
+    }
+    for name, is_set in refused.items():
+        if is_set:
+            raise InvalidParameterError(
+                name,
+                f"{name} is not supported with tensor_parallel_size {size} yet (only with 1)",
+            )
 
 
 def _check_precision_switch(scheme: str, quantization: str | None) -> None:

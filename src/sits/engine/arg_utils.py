@@ -136,6 +136,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "/v1/admin/precision); not with --quantization",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks the model runs on: this process and N-1 workers, one per GPU (cuda:0..N-1, "
+        "NCCL) or over gloo on a CPU; 1 (the default): this process alone. With N > 1 steps "
+        "run eagerly; --async-scheduling, --precision-switch, --num-spare-experts and "
+        "--engine-process are refused",
+    )
+    parser.add_argument(
+        "--tensor-parallel-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective between the ranks may wait before the engine fails (a dead "
+        "or hung rank then fails every open request); default 60",
+    )
+    parser.add_argument(
         "--tpot-pacing-fraction",
         type=float,
         default=0.9,
@@ -178,4 +195,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "precision_switch": args.precision_switch,
         "tpot_pacing_fraction": args.tpot_pacing_fraction,
         "tpot_pacing_min_prefill_tokens": args.tpot_pacing_min_prefill_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_timeout_s": args.tensor_parallel_timeout,
     }
