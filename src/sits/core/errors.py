@@ -43,6 +43,11 @@ class EngineDeadError(SitsError, RuntimeError):
     """The engine loop has died; no request can be served until the process restarts."""
 
 
+class TensorParallelWorkerError(EngineDeadError):
+    """A tensor-parallel worker process died, failed, or hung past the collective timeout
+    (`EngineConfig.tensor_parallel_timeout_s`): the engine cannot run another step."""
+
+
 class PrecisionSwitchMemoryError(InvalidParameterError):
     """The two weight sets of `EngineConfig.precision_switch` and a minimal KV cache do not fit
     the device memory budget.

@@ -17,6 +17,12 @@ live step waits for a Triton compile.
 With `precision_switch` the runner holds two weight sets (`runner.precision`): `models` maps
 each name to its model, each with its own warm-up and CUDA graphs over the one KV cache;
 `set_precision` (between steps) picks the set the next steps run.
+
+With `tensor_parallel_size` N > 1 the runner is one rank of N (`rank`; the default process
+group is up, `sits.runner.tp_executor`): every rank takes the KV block count its
+`agree_num_blocks` gives, the smallest of all (so the one scheduler's block ids are valid
+everywhere), the MoE health check's on-device
+freezing is off (ranks must route alike), and no CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from sits.runner.cuda_graphs import (
     graph_batch_sizes,
     mixed_token_buckets,
 )
+from sits.runner.expert_health import ExpertMonitor
 from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
@@ -101,6 +108,9 @@ class ModelRunner:
         info: what the engine read from the checkpoint (dtype, eos ids, context length).
         warm_up: run the kernel warm-up (`runner.warmup`) at setup, before the CUDA graphs are
             captured; None = only on CUDA (on the CPU nothing is compiled).
+        rank: this runner's tensor-parallel rank, in [0, config.tensor_parallel_size).
+        agree_num_blocks: with several ranks, maps this rank's KV block count to the one all
+            ranks use (the smallest, `sits.runner.tp_executor`); None: one rank.
 
     Attributes:
         device, dtype: where and in which dtype the model runs.
@@ -120,8 +130,16 @@ class ModelRunner:
         num_rows_run: token rows the forwards ran, cumulative, CUDA-graph padding included.
     """
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, warm_up: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        info: ModelInfo,
+        warm_up: bool | None = None,
+        rank: int = 0,
+        agree_num_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
+        self.rank = rank
         self.info = info
         self.device = info.device
         self.dtype = info.dtype
@@ -137,6 +155,8 @@ class ModelRunner:
             quantization=config.quantization,
         )
         self.model.eval()
+        if config.tensor_parallel_size > 1:  # ranks route alike: no rank freezes on its own
+            ExpertMonitor.of_model(self.model, freeze_after=0)
         arch = self.model.arch
         self.kv_cache_dtype = config.kv_cache_dtype
         bytes_per_block = kv_bytes_per_block(
@@ -175,6 +195,8 @@ class ModelRunner:
             block_size=self.block_size,
             fixed_bytes=fixed_bytes,
         )
+        if agree_num_blocks is not None:
+            self.num_blocks = agree_num_blocks(self.num_blocks)
         self.kv_caches = allocate_kv_caches(
             arch.num_layers,
             self.num_blocks,
@@ -272,9 +294,14 @@ class ModelRunner:
         pools: tuple[object, object],
     ) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
         """One weight set's (decode graphs, mixed-step graphs), each None when not captured
-        (`enforce_eager`, a model or backend that is not graph safe, mixed graphs off);
+        (`enforce_eager`, more than one rank, a model or backend that is not graph safe,
+        mixed graphs off);
         captured into `pools` (decode, mixed; None: new ones)."""
-        if config.enforce_eager or not graph_safe(model, self.attn_backend):
+        if (
+            config.enforce_eager
+            or config.tensor_parallel_size > 1
+            or not graph_safe(model, self.attn_backend)
+        ):
             return None, None
         graphs = DecodeGraphs(model, self.buffers, self.kv_caches, num_kv_heads, head_dim)
         graphs.capture(graph_batch_sizes(config.max_num_seqs), pools[0])
@@ -302,6 +329,10 @@ class ModelRunner:
         self.precision = name
         self.model = self.models[name]
         self.graphs, self.mixed_graphs = self._graph_sets[name]
+
+    def shutdown(self) -> None:
+        """Release what outlives the runner's objects: nothing on one device (the tensors go
+        with it); `TensorParallelRunner` stops its workers."""
 
     @property
     def step_token_buckets(self) -> tuple[int, ...]:
