@@ -106,7 +106,8 @@ class AsyncLLM:
 
     Raises:
         SitsError (ModelNotFoundError, UnsupportedModelError, InvalidParameterError, ...):
-            building the engine failed (with `engine_process`: the child's class and message).
+            building the engine failed (with `engine_process`: the child's class and message);
+            `engine_process` with tensor_parallel_size > 1 ("engine_process").
         EngineDeadError: the engine process exited during startup without saying why.
     """
 
@@ -121,6 +122,12 @@ class AsyncLLM:
         expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
         restore_frozen_experts: bool = False,
     ) -> None:
+        if engine_process and config.tensor_parallel_size > 1:
+            raise InvalidParameterError(
+                "engine_process",
+                f"--engine-process is not supported with tensor_parallel_size "
+                f"{config.tensor_parallel_size} yet (its daemon process cannot start workers)",
+            )
         kind = ProcessTransport if engine_process else ThreadTransport
         transport = kind(
             config, tuple(tenant_policies), expert_freeze_after, restore_frozen_experts

@@ -52,6 +52,7 @@ from sits.engine.step_profile import profiler_from_env
 from sits.engine.step_shapes import StepShapeRecorder, recorder_from_env
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
+from sits.runner.tp_executor import make_runner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
 from sits.sched.scheduler import Scheduler
 from sits.sched.step_policy import StepPolicy, TpotPacer
@@ -84,7 +85,8 @@ class EngineCore:
             request first-come-first-served whatever its tenant_id.
 
     Attributes:
-        runner: the model runner (device state).
+        runner: the model runner (device state); with `tensor_parallel_size` > 1 rank 0's,
+            which runs every step on the workers too (`sits.runner.tp_executor`).
         scheduler: the scheduler (KV block and batch decisions).
         policy: the step policy (`sits.sched.step_policy`): start deadlines, TPOT pacing
             (`policy.pacer`, on when a tenant has a TPOT SLO), TTFT rescue and reclaim.
@@ -103,7 +105,17 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.info = info
-        self.runner = ModelRunner(config, info)
+        self.runner: ModelRunner = make_runner(config, info)  # one rank or several
+        try:
+            self._build(config, info, tenant_policies)
+        except BaseException:
+            self.runner.shutdown()  # no worker outlives a failed start
+            raise
+
+    def _build(
+        self, config: EngineConfig, info: ModelInfo, tenant_policies: tuple[TenantPolicy, ...]
+    ) -> None:
+        """Everything but the runner: scheduler, step policy, counters, stepper."""
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -141,6 +153,11 @@ class EngineCore:
             self.step_shapes,
         )
         self.pipeline = StepPipeline(self.stepper) if config.async_scheduling else None
+
+    def shutdown(self) -> None:
+        """Release the runner (`ModelRunner.shutdown`: joins tensor-parallel workers); no step
+        may follow. Idempotent."""
+        self.runner.shutdown()
 
     @property
     def clock(self) -> Callable[[], float]:

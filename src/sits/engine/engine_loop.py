@@ -32,7 +32,8 @@ this same loop with the same rules:
 "stalled" rule, the periodic copy of the MoE expert counters to the host (which also restores
 frozen experts when the monitor auto-restores), the named expert operations, and the
 `EngineStats` snapshots with their rate-limited per-tenant scan. It runs on the engine's own
-thread only. Its rules:
+thread only. With more than one tensor-parallel rank the expert counters are only read (rank
+0's): no automatic freeze or restore, and the expert operations are refused. Its rules:
 - A step is stalled when it produced nothing, nothing runs, nothing was preempted and (async
   scheduling) no step is in flight: the waiting work cannot start (e.g. deferred by
   `set_borrowing_tiers`) and the next step would decide the same, so the caller waits for a
@@ -356,6 +357,13 @@ class EngineDriver:
         self.core = core
         self.info = info
         runner = core.runner
+        self.tensor_parallel_size = config.tensor_parallel_size
+        if self.tensor_parallel_size > 1 and (expert_freeze_after or restore_frozen_experts):
+            logger.info(
+                "tensor parallel: the MoE health check only counts (no automatic freeze or "
+                "restore: every rank must route alike)"
+            )
+            expert_freeze_after, restore_frozen_experts = 0, False
         monitor = ExpertMonitor.of_model(
             runner.model,
             expert_freeze_after,
@@ -412,12 +420,18 @@ class EngineDriver:
         """Run "freeze", "unfreeze" or "restore" on one expert; returns a fresh read.
 
         Raises:
-            InvalidParameterError: a dense model, or a layer/expert out of range (the
-                monitor's errors); UnsupportedModelError: a restore the checkpoint cannot
-                serve; ValueError: an unknown operation.
+            InvalidParameterError: a dense model, more than one tensor-parallel rank, or a
+                layer/expert out of range (the monitor's errors); UnsupportedModelError: a
+                restore the checkpoint cannot serve; ValueError: an unknown operation.
         """
         if self.experts is None:
             raise InvalidParameterError("layer", "the model has no MoE layers")
+        if self.tensor_parallel_size > 1:  # rank 0's experts alone would route unlike the rest
+            raise InvalidParameterError(
+                "tensor_parallel_size",
+                f"expert {name} is not supported with tensor_parallel_size "
+                f"{self.tensor_parallel_size} yet",
+            )
         if name == "freeze":
             self.experts.freeze(layer_id, expert_id)
         elif name == "unfreeze":

@@ -72,6 +72,11 @@ class LLM:
             )
             self.experts = monitor if monitor.blocks else None
 
+    def shutdown(self) -> None:
+        """Stop the engine: with `tensor_parallel_size` > 1 its worker processes are joined
+        (`EngineCore.shutdown`). Idempotent; no call may follow."""
+        self.engine_core.shutdown()
+
     def set_precision(self, name: str) -> PrecisionState:
         """Run weight set `name` ("fp8" / "int4" or the model dtype's, see
         `precision_state().available`) from the next step on (`EngineConfig.precision_switch`).

@@ -4,8 +4,9 @@ The `EngineLoop` runs on one daemon thread. Commands reach it through a `queue.S
 (`CommandQueue`); its events are handed, on the engine thread, to the front end's callback,
 which posts them to the asyncio loop with `call_soon_threadsafe`. The loop's times are plain
 attributes (`LoopTimes`). The engine core stays reachable (`core`) for tests and benchmarks
-that attach recorders to it. Invariant: `on_closed` runs once, on the engine thread, after
-the loop's last event.
+that attach recorders to it. When the loop ends (stopped or dead) the core is shut down on
+the engine thread (`EngineCore.shutdown`: tensor-parallel workers are joined). Invariant:
+`on_closed` runs once, on the engine thread, after the loop's last event and that shutdown.
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ class ThreadTransport:
         self.info = parts.info
         self.tokenizer = parts.tokenizer
         self.loop_times = LoopTimes()
-        self._driver = EngineDriver(
-            parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
-        )
+        try:
+            self._driver = EngineDriver(
+                parts.core, parts.info, config, expert_freeze_after, restore_frozen_experts
+            )
+        except BaseException:
+            parts.core.shutdown()
+            raise
         self.stats: EngineStats = self._driver.stats
         self._commands = CommandQueue()
         self._thread: threading.Thread | None = None
@@ -103,7 +108,10 @@ class ThreadTransport:
         loop = EngineLoop(self._driver, self._commands, _CallbackSink(on_event), self.loop_times)
 
         def run() -> None:
-            loop.run()
+            try:
+                loop.run()
+            finally:
+                self.core.shutdown()  # tensor-parallel workers end with the loop
             on_closed("the engine thread exited")
 
         self._thread = threading.Thread(target=run, name="sits-engine", daemon=True)
