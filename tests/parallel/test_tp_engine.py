@@ -1,0 +1,225 @@
+"""The tensor-parallel engine (issue 27, `sits.runner.tp_executor`) on the CPU over gloo: with
+two ranks greedy tokens equal one rank's under chunked prefill, a prefix-cache hit and an
+abort; a worker killed mid-run fails the next step with `TensorParallelWorkerError` and the
+engine still shuts down; the flag and the misconfigurations are refused with the numbers.
+
+Each engine of two ranks spawns one worker; every test shuts its engines down (joining the
+worker) in a finally, and `_no_worker_left` checks that no worker outlives its test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from sits import LLM, SamplingParams
+from sits.cli.main import build_parser
+from sits.config import EngineConfig
+from sits.core.errors import InvalidParameterError, TensorParallelWorkerError
+from sits.core.request import FinishReason
+from sits.engine.arg_utils import engine_kwargs
+from sits.engine.output_processor import make_engine_requests
+from sits.models.loader import load_model
+from sits.runner.tp_executor import TensorParallelRunner, check_devices
+from tests.engine.hf_reference import random_prompts
+from tests.waits import HANG_S, wait_until
+
+MAX_TOKENS = 8
+TIMEOUT_S = 60.0  # the collectives' timeout: the ranks' start on a loaded machine fits in it
+HUNG_TIMEOUT_S = 8.0  # the hung-worker test's: short, yet room for its start
+# Sharded weights (T1's `load_model(tp=...)`) make the MoE family worth its own engine; with
+# the full model on every rank one family proves the executor.
+ARCHS = ("llama", "qwen3_moe") if "tp" in inspect.signature(load_model).parameters else ("llama",)
+
+
+def _llm(model_dir, tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> LLM:
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=8,  # every prompt below is prefilled in chunks
+        kv_cache_memory_bytes=2**21,
+        skip_tokenizer_init=True,
+        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_timeout_s=timeout_s,
+    )
+
+
+def _add(core, request_id: str, prompt: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for request in make_engine_requests(
+        request_id, prompt, params, eos_token_ids=(), max_model_len=128,
+        enable_prefix_caching=True,
+    ):  # fmt: skip
+        core.add_request(request)
+
+
+def _scenario(llm: LLM, prompts: list[list[int]]) -> tuple[dict, dict, dict]:
+    """Requests "p0" (short), "p1" (long) and "x" from the start; "x" aborted after step 3;
+    "p2" (p1's first block and more) added once p1 has finished, so it hits the prefix cache.
+
+    Returns:
+        (tokens by request, finish reasons by request, cached prompt tokens by request).
+    """
+    core = llm.engine_core
+    p0, p1, p2, x = prompts
+    _add(core, "p0", p0)
+    _add(core, "p1", p1)
+    _add(core, "x", x)
+    tokens: dict[str, list[int]] = {"p0": [], "p1": [], "p2": [], "x": []}
+    reasons: dict[str, FinishReason | None] = {}
+    cached: dict[str, int] = {}
+    steps = 0
+    added_p2 = False
+    while core.has_unfinished_requests() or not added_p2:
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 3:
+            for out in core.finish_requests(["x"], FinishReason.ABORT):
+                reasons[out.request_id] = out.finish_reason
+        if "p1" in reasons and not added_p2:
+            _add(core, "p2", p2)
+            added_p2 = True
+    return tokens, reasons, cached
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_left():
+    """No tensor-parallel worker outlives its test (each is a child of this process)."""
+    yield
+    import multiprocessing
+
+    left = [p for p in multiprocessing.active_children() if p.name.startswith("sits-tp-rank")]
+    assert not left, f"workers left running: {left}"
+
+
+def _shutdown_all(*llms: LLM | None) -> None:
+    for llm in llms:
+        if llm is not None:
+            llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, arch: str) -> None:
+    """Chunked prefill (8-token budget), a prefix-cache hit and an abort: TP=2 equals TP=1."""
+    model_dir = tiny_model_factory(arch)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    p0, p1, tail, x = random_prompts([5, 23, 12, 19], vocab, seed=3)
+    prompts = [p0, p1, p1[:16] + tail, x]
+    one = two = None
+    try:
+        one = _llm(model_dir, 1)
+        expected = _scenario(one, prompts)
+        one.shutdown()
+        two = _llm(model_dir, 2)
+        assert isinstance(two.engine_core.runner, TensorParallelRunner)
+        got = _scenario(two, prompts)
+        assert (
+            two.engine_core.scheduler.num_free_blocks == one.engine_core.scheduler.num_free_blocks
+        )
+    finally:
+        _shutdown_all(one, two)
+    tokens, reasons, cached = got
+    assert (tokens, reasons, cached) == expected
+    assert [len(tokens[r]) for r in ("p0", "p1", "p2")] == [MAX_TOKENS] * 3
+    assert reasons["x"] is FinishReason.ABORT and len(tokens["x"]) < MAX_TOKENS
+    assert cached["p2"] == 16  # p1's first block, from the prefix cache
+
+
+def test_a_killed_worker_fails_the_next_step(tiny_model_factory) -> None:
+    """SIGKILL to the worker between steps: the next step raises TensorParallelWorkerError
+    naming the rank and its exit, every later step too, and shutdown still joins."""
+    model_dir = tiny_model_factory("llama")
+    llm = None
+    try:
+        llm = _llm(model_dir, 2)
+        core = llm.engine_core
+        runner = core.runner
+        _add(core, "r", list(range(1, 30)))
+        core.step()
+        (pid,) = runner.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not runner.workers[0].process.is_alive())
+        start_s = time.monotonic()
+        with pytest.raises(TensorParallelWorkerError, match=r"rank 1 .*exited with code -9"):
+            while core.has_unfinished_requests():
+                core.step()
+        assert time.monotonic() - start_s < HANG_S
+        with pytest.raises(TensorParallelWorkerError):
+            core.step()
+    finally:
+        _shutdown_all(llm)
+    assert llm is not None and llm.engine_core.runner.workers == []
+
+
+def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_model_factory) -> None:
+    """A stopped (SIGSTOP) worker still lives, but rank 0's step collective waits for it
+    only until the timeout: the step raises TensorParallelWorkerError, and shutdown kills it."""
+    model_dir = tiny_model_factory("llama")
+    llm = None
+    try:
+        llm = _llm(model_dir, 2, timeout_s=HUNG_TIMEOUT_S)
+        core = llm.engine_core
+        _add(core, "r", list(range(1, 30)))
+        core.step()
+        os.kill(core.runner.worker_pids[0], signal.SIGSTOP)
+        start_s = time.monotonic()
+        with pytest.raises(TensorParallelWorkerError, match="sending the step"):
+            while core.has_unfinished_requests():
+                core.step()
+        assert time.monotonic() - start_s >= HUNG_TIMEOUT_S * 0.9  # it waited on the collective
+    finally:
+        _shutdown_all(llm)
+
+
+def test_flag_and_kwarg() -> None:
+    parser = build_parser()
+    for argv in (["-tp", "2"], ["--tensor-parallel-size", "2"]):
+        args = parser.parse_args(["generate", "--model", "m", *argv, "--prompt", "hi"])
+        assert engine_kwargs(args)["tensor_parallel_size"] == 2
+    args = parser.parse_args(["serve", "--model", "m", "--tensor-parallel-timeout", "5"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["tensor_parallel_size"], kwargs["tensor_parallel_timeout_s"]) == (1, 5.0)
+    assert EngineConfig(model="m", tensor_parallel_size=4).tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    ("changes", "param", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size", "must be >= 1, got 0"),
+        ({"tensor_parallel_timeout_s": 0.0}, "tensor_parallel_timeout_s", "got 0.0"),
+        ({"async_scheduling": True}, "async_scheduling", "tensor_parallel_size 2"),
+        ({"precision_switch": "fp8"}, "precision_switch", "tensor_parallel_size 2"),
+        ({"num_spare_experts": 1}, "num_spare_experts", "tensor_parallel_size 2"),
+    ],
+)
+def test_misconfiguration_is_refused(changes: dict, param: str, message: str) -> None:
+    kwargs = {"model": "m", "tensor_parallel_size": 2, **changes}
+    with pytest.raises(InvalidParameterError, match=message) as info:
+        EngineConfig(**kwargs)
+    assert info.value.param == param
+
+
+def test_more_ranks_than_cuda_devices_is_refused() -> None:
+    with pytest.raises(InvalidParameterError, match="needs 4 CUDA devices, but 2 are visible"):
+        check_devices(4, "cuda", 2)
+    check_devices(2, "cuda", 2)
+    check_devices(8, "cpu", 0)  # a CPU runs any number of ranks
+
+
+def test_engine_process_with_two_ranks_is_refused() -> None:
+    from sits.engine.async_llm import AsyncLLM
+
+    config = EngineConfig(model="m", tensor_parallel_size=2)
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size 2") as info:
+        AsyncLLM(config, engine_process=True)
+    assert info.value.param == "engine_process"
