@@ -9,21 +9,28 @@ Invariants:
   RMSNorm (`RMSNorm.forward(x, residual)`), which matches HF's `residual + out` in order.
 - With tied embeddings `lm_head.weight` is the same Parameter as `embed_tokens.weight`.
 - Logits are returned in float32.
+- Tensor parallelism (`tp`, Megatron-LM's layout): every layer holds its rank's shard
+  (attention heads, MLP / expert intermediate slices, vocabulary rows) and sums or gathers
+  over the ranks itself; norms, RoPE and the router are replicated. `arch.num_kv_heads` is
+  this rank's KV heads (the runner sizes a per-rank KV cache), while `config` keeps the
+  checkpoint's shapes and logits come back whole ([N, vocab_size], the same on every rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
-from sits.layers.attention import Attention, AttentionConfig
+from sits.layers.attention import Attention, AttentionConfig, shard_heads
+from sits.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sits.layers.forward_context import ForwardContext
 from sits.layers.mlp import GatedMLP
 from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
 from sits.layers.norm import RMSNorm
 from sits.layers.rotary import RotaryEmbedding
+from sits.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +39,7 @@ class ModelArch:
 
     Attributes:
         num_layers: decoder layers (one KV cache tensor each).
-        num_kv_heads: key/value heads per layer.
+        num_kv_heads: key/value heads per layer (this tensor-parallel rank's).
         head_dim: size of one head.
         hidden_size: model width.
         vocab_size: rows of the LM head (logits width).
@@ -102,17 +109,18 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         moe_backend: MoeBackend | None = None,
         rotary_emb: RotaryEmbedding | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
         self.input_layernorm = RMSNorm(hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config.attention, layer_idx, rotary_emb)
+        self.self_attn = Attention(config.attention, layer_idx, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module
         if config.moe is not None and layer_idx in config.moe_layer_ids:
-            self.mlp = SparseMoeBlock(hidden_size, config.moe, moe_backend)
+            self.mlp = SparseMoeBlock(hidden_size, config.moe, moe_backend, tp=tp)
         else:
-            self.mlp = GatedMLP(hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            self.mlp = GatedMLP(hidden_size, config.intermediate_size, config.mlp_bias, tp)
 
     def forward(
         self, positions: Tensor, hidden: Tensor, residual: Tensor | None, ctx: ForwardContext
@@ -141,12 +149,17 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
 
-    def __init__(self, config: DecoderConfig, moe_backend: MoeBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        moe_backend: MoeBackend | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(config.attention.rope)  # one cos/sin cache for all layers
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer_idx, moe_backend, rotary_emb)
+            DecoderLayer(config, layer_idx, moe_backend, rotary_emb, tp)
             for layer_idx in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -167,17 +180,30 @@ class DecoderForCausalLM(nn.Module):
     Subclasses (one per architecture, in `sits.models`) map an HF config to `DecoderConfig`.
 
     Attributes:
-        config: the decoder configuration.
+        config: the decoder configuration (the checkpoint's shapes, whatever the rank).
+        tp: the tensor-parallel group this model is a shard of (SINGLE: the whole model).
         model: embeddings, layers and final norm.
-        lm_head: Linear(hidden_size, vocab_size, bias=False), tied to the embeddings when the
-            config says so.
+        lm_head: `ParallelLMHead` (Linear(hidden_size, vocab_size / tp.size, bias=False)),
+            tied to the embeddings when the config says so.
     """
 
-    def __init__(self, config: DecoderConfig, moe_backend: MoeBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        moe_backend: MoeBackend | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        """Build this rank's shard (meta device or not, as the caller's default device).
+
+        Raises:
+            InvalidParameterError: tp.size does not fit the heads, KV heads, an intermediate
+                size or the vocabulary (the message gives the numbers).
+        """
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, moe_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, moe_backend, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -187,7 +213,8 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def arch(self) -> ModelArch:
-        return self.config.arch
+        """The runner's shapes, with this rank's KV heads."""
+        return dataclasses.replace(self.config.arch, num_kv_heads=self.num_kv_heads)
 
     @property
     def num_layers(self) -> int:
@@ -195,7 +222,9 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.attention.num_kv_heads
+        """KV heads of this tensor-parallel rank (all of them without tensor parallelism)."""
+        attention = self.config.attention
+        return shard_heads(attention.num_heads, attention.num_kv_heads, self.tp).num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -215,5 +244,6 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[num_rows, hidden_size] hidden states -> [num_rows, vocab_size] float32 logits."""
-        return self.lm_head(hidden).to(torch.float32)
+        """[num_rows, hidden_size] hidden states -> [num_rows, vocab_size] float32 logits
+        (gathered over the tensor-parallel ranks: whole on every rank)."""
+        return self.lm_head.logits(hidden)

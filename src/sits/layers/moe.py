@@ -23,6 +23,13 @@ Invariants:
   except for equal logits (torch.topk orders them arbitrarily, the kernel lowest id first) and
   non-finite rows (never checked on either path; torch.topk routes them to arbitrary experts,
   the kernel to the lowest-id unfrozen ones), which only move those rows' token counts.
+- Tensor parallelism (no expert parallelism yet): the router `gate` is replicated, so every
+  rank routes identically; every expert's w13 gate and up rows and w2 columns hold this
+  rank's slice `inter_shard` of the intermediate dimension, and the weighted expert sum is
+  summed over the ranks once per layer. The experts' non-finite flags ride in the same
+  all-reduce (appended to the output), so every rank folds the same `anomalous` flags and
+  freezes the same experts. Spare slots are not combined with tensor parallelism (the loader
+  refuses them).
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from sits.core.errors import InvalidParameterError
 from sits.kernels.moe_ref import TorchMoe
 from sits.kernels.triton_utils import has_triton
 from sits.layers.expert_slots import ExpertSlots
+from sits.layers.linear import Shard
 from sits.layers.moe_stats import ExpertState
+from sits.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +56,7 @@ class MoeConfig:
     Attributes:
         num_experts: experts per layer (E).
         top_k: experts per token.
-        intermediate_size: hidden width of one expert (I).
+        intermediate_size: hidden width of one expert (I, the checkpoint's: all ranks).
         renormalize: rescale the top-k weights to sum to 1.
     """
 
@@ -87,11 +96,14 @@ class SparseMoeBlock(nn.Module):
     """Router + experts of one decoder layer.
 
     Attributes:
-        gate: router, Linear(hidden_size, num_experts, bias=False).
-        w13: [num_slots, 2 * intermediate_size, hidden_size] parameter (num_slots =
+        gate: router, Linear(hidden_size, num_experts, bias=False), on every rank.
+        w13: [num_slots, 2 * I, hidden_size] parameter (num_slots =
             num_experts + num_spare_experts; logical expert e lives in slot
-            `physical_slot(e)`, e itself without spares).
-        w2: [num_slots, hidden_size, intermediate_size] parameter.
+            `physical_slot(e)`, e itself without spares; I = `intermediate_size`).
+        w2: [num_slots, hidden_size, I] parameter.
+        intermediate_size: this rank's expert width I (config.intermediate_size / tp.size).
+        inter_shard: the intermediate indices of the checkpoint's experts this rank holds.
+        tp: the tensor-parallel group.
         moe_backend: where routing and experts run.
         num_spare_experts: spare physical slots (0 = none, no routing table).
         fused_routing: use the Triton routing and health kernels when the input is on CUDA and
@@ -104,10 +116,15 @@ class SparseMoeBlock(nn.Module):
         config: MoeConfig,
         moe_backend: MoeBackend | None = None,
         num_spare_experts: int = 0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """Raises InvalidParameterError when tp.size does not divide the experts' width."""
         super().__init__()
         self.config = config
-        num_experts, inter = config.num_experts, config.intermediate_size
+        self.tp = tp
+        self.inter_shard = Shard.of(config.intermediate_size, tp, "the experts' intermediate_size")
+        num_experts, inter = config.num_experts, self.inter_shard.size
+        self.intermediate_size = inter
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
@@ -219,17 +236,29 @@ class SparseMoeBlock(nn.Module):
         self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, state: ExpertState
     ) -> Tensor:
         """The backend's experts on the physical slots of topk_ids [T, k] (logical ids), their
-        non-finite flags folded into `state.anomalous` by logical id -> [T, hidden_size]."""
+        non-finite flags folded into `state.anomalous` by logical id -> [T, hidden_size],
+        summed (and the flags OR-ed) over the tensor-parallel ranks."""
         slots = self.expert_slots()
         if slots is None:
-            return self.moe_backend.experts(
+            out = self.moe_backend.experts(
                 hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
-            )
-        out = self.moe_backend.experts(
-            hidden, self.w13, self.w2, topk_weights, slots.map_ids(topk_ids), slots.nonfinite
-        )  # [num_tokens, hidden_size]
-        slots.fold_nonfinite(state.anomalous)
-        return out
+            )  # [num_tokens, hidden_size]
+        else:
+            out = self.moe_backend.experts(
+                hidden, self.w13, self.w2, topk_weights, slots.map_ids(topk_ids), slots.nonfinite
+            )  # [num_tokens, hidden_size]
+            slots.fold_nonfinite(state.anomalous)
+        return self._reduce(out, state.anomalous)
+
+    def _reduce(self, out: Tensor, anomalous: Tensor) -> Tensor:
+        """Sum out [T, hidden_size] over the tensor-parallel ranks and OR their anomalous
+        [num_experts] bool flags in place, in one all-reduce; out itself when tp.size is 1."""
+        if self.tp.size == 1:
+            return out
+        packed = torch.cat([out.flatten(), anomalous.to(out.dtype)])  # [T * hidden + E]
+        self.tp.all_reduce(packed)
+        anomalous.copy_(packed[out.numel() :] > 0)
+        return packed[: out.numel()].view_as(out)
 
     def _use_fused_kernels(self, hidden: Tensor) -> bool:
         """True when routing and health run as Triton kernels: CUDA input, Triton installed
