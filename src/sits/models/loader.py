@@ -1,14 +1,8 @@
 """Building a model from a checkpoint directory: config -> class -> safetensors weights.
 
-Weight names are mapped from Hugging Face checkpoints onto our fused parameters:
-- self_attn.{q,k,v}_proj.{weight,bias} -> self_attn.qkv_proj (rows of part q, k, v);
-- mlp.{gate,up}_proj.{weight,bias} -> mlp.gate_up_proj (rows of part gate, up);
-- per-expert weights, hub style: mlp.experts.{e}.{gate,up,down}_proj.weight (Qwen3-MoE; also
-  what transformers 5 `save_pretrained` writes) and block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
-  (Mixtral; w1 = gate, w3 = up, w2 = down) -> mlp.w13[e] rows gate/up, mlp.w2[e];
-- fused experts as transformers 5 holds them in memory: mlp.experts.gate_up_proj [E, 2I, H]
-  (gate rows first) -> mlp.w13, mlp.experts.down_proj [E, H, I] -> mlp.w2;
-- block_sparse_moe.gate -> mlp.gate (router); everything else by identical name.
+Checkpoint names are mapped onto our fused parameters by `models.weight_map` (q/k/v ->
+qkv_proj, gate/up -> gate_up_proj, per-expert and fused expert tensors -> w13 / w2, the rest
+by identical name).
 
 Spare expert slots (`num_spare_experts`, `SparseMoeBlock.add_spare_slots`): the checkpoint's
 experts fill the logical slots 0 .. E-1 of w13 / w2 (the routing table starts as the
@@ -28,6 +22,12 @@ layout (`layers.quant.int4_formats`); online INT4 (`quantization="int4"`) stream
 as the compressed-tensors tensors of its symmetric group-wise quantization
 (`_online_int4_pairs`).
 
+Tensor parallelism (`tp`, `sits.parallel`): the model is built as this rank's shard
+(`DecoderForCausalLM(config, tp=tp)`), and each checkpoint tensor is sliced on the CPU to the
+rows / columns the rank holds (`weight_map.TensorSlice`: per fused part, per expert) before it
+is cast and copied, so a rank never holds more of the model on its device than its shard.
+Quantized weights and spare expert slots are refused with tp.size > 1 (not supported yet).
+
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
 model is built on the meta device and materialised on the target device in the target dtype, so
@@ -43,18 +43,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from sits.core.errors import ModelNotFoundError, UnsupportedModelError
+from sits.core.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
-from sits.layers.linear import FusedLinear
 from sits.layers.moe import MoeBackend, SparseMoeBlock
 from sits.layers.quant.apply import (
     QUANT_LINEARS,
@@ -68,31 +65,12 @@ from sits.models.dummy import fill_dummy_, init_dummy_weights, read_dummy_seed
 from sits.models.dummy_quant import init_dummy_quantized
 from sits.models.hf_config import load_hf_config
 from sits.models.registry import get_model_class
+from sits.models.weight_map import WeightTarget, is_skipped, submodule, target_of
+from sits.models.weight_map import checkpoint_target as checkpoint_target
+from sits.parallel import SINGLE, TensorParallel
 
 HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 _MAX_NAMES_IN_ERROR = 8
-
-_QUANT_KINDS = (
-    "weight_scale_inv", "weight_scale", "input_scale",  # FP8
-    "weight_packed", "weight_shape", "qweight", "qzeros", "scales", "g_idx",  # INT4
-)  # fmt: skip
-_KIND = rf"(weight|bias|{'|'.join(_QUANT_KINDS)})"
-_QKV = re.compile(rf"^(.*\.self_attn)\.([qkv])_proj\.{_KIND}$")
-_GATE_UP = re.compile(rf"^(.*\.mlp)\.(gate|up)_proj\.{_KIND}$")
-_EXPERT_W13 = re.compile(rf"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3)\.{_KIND}$")
-_EXPERT_W2 = re.compile(rf"^(.*\.mlp)\.experts\.(\d+)\.(down_proj|w2)\.{_KIND}$")
-_FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
-_SKIPPED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """Where one checkpoint tensor goes: param[index] (index () = the whole parameter), after
-    `convert(tensor, name)` when set (quantized modules: dtype checks, scale reshapes)."""
-
-    param_name: str
-    index: tuple[int | slice, ...]
-    convert: Callable[[Tensor, str], Tensor] | None = None
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -126,27 +104,40 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def build_meta_model(
-    model_dir: str, moe_backend: MoeBackend | None = None, quantization: str | None = None
+    model_dir: str,
+    moe_backend: MoeBackend | None = None,
+    quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderForCausalLM:
-    """The model of a checkpoint directory's config.json on the meta device (no memory), with
-    quantized modules where its `quantization_config` (or `quantization`) asks.
+    """The model (this tensor-parallel rank's shard) of a checkpoint directory's config.json
+    on the meta device (no memory), with quantized modules where its `quantization_config`
+    (or `quantization`) asks.
 
     Args:
         model_dir: the checkpoint directory.
         moe_backend: MoE compute backend for sparse layers (default: PyTorch reference).
         quantization: `EngineConfig.quantization` (None: what the checkpoint says; "fp8" on
             an unquantized checkpoint: online FP8).
+        tp: the tensor-parallel rank and size (SINGLE: the whole model).
 
     Raises:
         ModelNotFoundError: no config.json.
-        UnsupportedModelError: unsupported architecture, option or quantization scheme.
+        UnsupportedModelError: unsupported architecture, option or quantization scheme, or
+            quantized weights with tp.size > 1.
+        InvalidParameterError: tp.size does not fit the heads, KV heads, an intermediate size
+            or the vocabulary (the message gives the numbers).
     """
     hf_config = load_hf_config(model_dir)
     quant = quant_config_of(_quantization_config(hf_config), quantization)
+    if quant is not None and tp.size > 1:
+        raise UnsupportedModelError(
+            f"tensor parallelism (size {tp.size}) of quantized weights ({quant.describe()}) "
+            "is not supported yet"
+        )
     model_class = get_model_class(hf_config)
     config = model_class.config_from_hf(hf_config)
     with torch.device("meta"):
-        model = model_class(config, moe_backend)
+        model = model_class(config, moe_backend, tp)
         if quant is not None:
             quantize_modules(model, quant)
     return model
@@ -178,8 +169,10 @@ def load_model(
     seed: int = 0,
     num_spare_experts: int = 0,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderForCausalLM:
-    """Build the model of a checkpoint directory and load (or make) its weights.
+    """Build the model (this tensor-parallel rank's shard) of a checkpoint directory and load
+    (or make) its weights.
 
     Args:
         model_dir: directory with config.json and model.safetensors (or sharded
@@ -194,16 +187,30 @@ def load_model(
         num_spare_experts: spare expert slots added to every sparse MoE layer (zeroed; the
             logical experts' weights are those of a load without spares).
         quantization: `EngineConfig.quantization` (see `build_meta_model`).
+        tp: the tensor-parallel rank and size (SINGLE: the whole model). With size > 1 the
+            rank's shard is built and only its slice of each checkpoint tensor is copied;
+            dummy weights are then the shard's own seeded values (replicated parameters
+            equal on every rank), not slices of the whole model's dummy weights.
 
     Returns:
         The model in eval mode, parameters without gradients.
 
     Raises:
         ModelNotFoundError: no config.json or no safetensors files.
-        UnsupportedModelError: unsupported architecture, option or quantization, or weights
-            that do not match the model (missing, unexpected, duplicated, wrong shape or dtype).
+        UnsupportedModelError: unsupported architecture, option or quantization, quantized
+            weights with tp.size > 1, or weights that do not match the model (missing,
+            unexpected, duplicated, wrong shape or dtype).
+        InvalidParameterError: tp.size does not fit the model's shapes (`build_meta_model`),
+            or num_spare_experts > 0 with tp.size > 1.
     """
-    model = build_meta_model(model_dir, moe_backend, quantization)
+    if num_spare_experts and tp.size > 1:
+        raise InvalidParameterError(
+            "num_spare_experts",
+            f"num_spare_experts={num_spare_experts} with tensor parallel size {tp.size} is not "
+            "supported yet: restoring an expert into a spare slot reads the whole expert, not "
+            "a rank's slice of it",
+        )
+    model = build_meta_model(model_dir, moe_backend, quantization, tp)
     spare_blocks = _add_spare_slots(model, num_spare_experts)
     model = model.to(dtype)
     keep_quant_dtypes(model)
@@ -303,7 +310,7 @@ def _online_fp8_pairs(
     params = dict(model.named_parameters())
     embed = model.model.embed_tokens.weight  # the model's dtype and device
     for name, tensor in pairs:
-        target = None if _is_skipped(model, name) else _target_of(model, name, params)
+        target = None if is_skipped(model, name) else target_of(model, name, params)
         quantized = target is not None and params[target.param_name].dtype == FP8_DTYPE
         if not quantized or tensor.dtype == FP8_DTYPE or not name.endswith(".weight"):
             yield name, tensor
@@ -330,8 +337,8 @@ def _online_int4_pairs(
     for name, tensor in pairs:
         module = name.removesuffix(".weight")
         packed_name = f"{module}.weight_packed"
-        quantized = name.endswith(".weight") and not _is_skipped(model, name)
-        target = _target_of(model, packed_name, params) if quantized else None
+        quantized = name.endswith(".weight") and not is_skipped(model, name)
+        target = target_of(model, packed_name, params) if quantized else None
         if target is None:
             yield name, tensor
             continue
@@ -357,9 +364,9 @@ def load_weights_from(model: DecoderForCausalLM, weights: Iterable[tuple[str, Te
     seen_regions: set[tuple[str, str]] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
-        if _is_skipped(model, name):
+        if is_skipped(model, name):
             continue
-        target = _target_of(model, name, params)
+        target = target_of(model, name, params)
         if target is None:
             unexpected.append(name)
             continue
@@ -401,7 +408,7 @@ def _checkpoint_names(model: nn.Module, param_name: str) -> str:
     e.g. "model.layers.0.self_attn.{q,k,v}_proj.weight_scale_inv (our ...qkv_proj.weight_scale)".
     """
     prefix, _, local = param_name.rpartition(".")
-    module = _submodule(model, prefix)
+    module = submodule(model, prefix)
     quant = getattr(module, "quant", None)
     if quant is None or local in ("bias",):
         return param_name
@@ -429,128 +436,11 @@ def _names(names: list[str]) -> str:
     return f"[{shown}{f', ... ({more} more)' if more > 0 else ''}]"
 
 
-def checkpoint_target(
-    model: DecoderForCausalLM, name: str
-) -> tuple[str, tuple[int | slice, ...]] | None:
-    """Where a checkpoint (Hugging Face) weight goes in `model`: (our parameter name, index
-    into it; () = the whole parameter), or None for a skipped or unknown name.
-
-    E.g. "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight",
-    (slice(q_rows, q_rows + kv_rows),)). Works on a meta-device model.
-    """
-    if _is_skipped(model, name):
-        return None
-    target = _target_of(model, name, dict(model.named_parameters()))
-    return None if target is None else (target.param_name, target.index)
-
-
-def _is_skipped(model: DecoderForCausalLM, name: str) -> bool:
-    """Checkpoint tensors that carry no parameter: RoPE buffers, a tied LM head's copy."""
-    if _SKIPPED.search(name):
-        return True
-    return name == "lm_head.weight" and model.config.tie_word_embeddings
-
-
-def _target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> _Target | None:
-    """Our parameter (and slice of it) for a checkpoint name; None if nothing matches."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    target: _Target | None
-    if match := _QKV.match(name):
-        prefix, part, kind = match.groups()
-        target = _fused_part(model, f"{prefix}.qkv_proj", "qkv".index(part), kind)
-    elif match := _GATE_UP.match(name):
-        prefix, part, kind = match.groups()
-        target = _fused_part(model, f"{prefix}.gate_up_proj", ("gate", "up").index(part), kind)
-    elif match := _EXPERT_W13.match(name):
-        prefix, expert, part, kind = match.groups()
-        target = _expert_part(
-            model, prefix, int(expert), "up" if part in ("up_proj", "w3") else "gate", kind
-        )
-    elif match := _EXPERT_W2.match(name):
-        prefix, expert, _, kind = match.groups()
-        target = _expert_part(model, prefix, int(expert), "down", kind)
-    elif match := _FUSED_EXPERTS.match(name):
-        prefix, which, _ = match.groups()
-        target = _fused_experts(model, prefix, "w13" if which == "gate_up_proj" else "w2")
-    else:
-        target = _plain_target(model, name)
-    if target is None or target.param_name not in params:
-        return None
-    return target
-
-
-def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> _Target | None:
-    module = _submodule(model, module_name)
-    if isinstance(module, QUANT_LINEARS):
-        return _quant_target(module_name, module.checkpoint_target(kind, part))
-    if not isinstance(module, FusedLinear) or kind not in ("weight", "bias"):
-        return None
-    return _Target(f"{module_name}.{kind}", (module.part_rows(part),))
-
-
-def _quant_target(module_name: str, found: tuple | None) -> _Target | None:
-    """A quantized module's (local name, index, convert) as a _Target."""
-    if found is None:
-        return None
-    local, index, convert = found
-    return _Target(f"{module_name}.{local}", index, convert)
-
-
-def _plain_target(model: nn.Module, name: str) -> _Target:
-    """A name outside the fused patterns: a quantized single-part projection's tensor
-    (o_proj, down_proj), else our parameter of the identical name."""
-    prefix, _, kind = name.rpartition(".")
-    if kind in ("weight", "bias", *_QUANT_KINDS):
-        module = _submodule(model, prefix)
-        if isinstance(module, QUANT_LINEARS):
-            target = _quant_target(prefix, module.checkpoint_target(kind, 0))
-            return target if target is not None else _Target(name, ())
-    return _Target(name, ())
-
-
-def _fused_experts(model: nn.Module, prefix: str, param: str) -> _Target:
-    """All experts of w13 or w2 at once: the whole parameter, or its logical slots 0 .. E-1
-    when the block has spare slots."""
-    module = _submodule(model, prefix)
-    if isinstance(module, QUANT_MOE_BLOCKS):
-        raise UnsupportedModelError(
-            f"fused expert tensors ({prefix}.experts.gate_up_proj / down_proj) are not "
-            "supported with quantized experts; per-expert tensors (experts.<e>.gate_proj ...) are"
-        )
-    if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
-        return _Target(f"{prefix}.{param}", (slice(0, module.config.num_experts),))
-    return _Target(f"{prefix}.{param}", ())
-
-
-def _expert_part(
-    model: nn.Module, prefix: str, expert: int, part: str, kind: str = "weight"
-) -> _Target | None:
-    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down"); for FP8
-    experts also their scales (`checkpoint_target` of the quantized MoE blocks)."""
-    module = _submodule(model, prefix)
-    if isinstance(module, QUANT_MOE_BLOCKS):
-        return _quant_target(prefix, module.checkpoint_target(expert, part, kind))
-    if not isinstance(module, SparseMoeBlock) or expert >= module.config.num_experts:
-        return None
-    if kind != "weight":
-        return None
-    if part == "down":
-        return _Target(f"{prefix}.w2", (expert,))
-    inter = module.config.intermediate_size
-    rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter)
-    return _Target(f"{prefix}.w13", (expert, rows))
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
-def _copy(param: Tensor, target: _Target, tensor: Tensor, name: str) -> int:
+def _copy(param: Tensor, target: WeightTarget, tensor: Tensor, name: str) -> int:
     """Copy (casting dtype/device) into param[target.index]; returns the elements written."""
     destination = param.data[target.index] if target.index else param.data
+    if target.shard is not None:
+        tensor = target.shard.apply(tensor, name)
     if target.convert is not None:
         tensor = target.convert(tensor, name)
     if tuple(destination.shape) != tuple(tensor.shape):
