@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sits import LLM, SamplingParams
-from sits.engine import core as engine_core_module
 from sits.kernels.kv_quant_ref import QuantizedKVCache
+from sits.runner import tp_executor as tp_executor_module
 from sits.runner.expert_health import ExpertMonitor
 from sits.runner.model_runner import ModelRunner
 from sits.runner.warmup import decode_split_counts, warm_up_kernels, warmup_token_counts
@@ -42,8 +42,8 @@ def moe_dir(tiny_model_factory):
 def _warmed_llm(monkeypatch: pytest.MonkeyPatch, model_dir, warm_up: bool, **kwargs) -> LLM:
     """An engine whose runner is built with `warm_up` (the real setup path)."""
     with monkeypatch.context() as patch:
-        patch.setattr(
-            engine_core_module, "ModelRunner", functools.partial(ModelRunner, warm_up=warm_up)
+        patch.setattr(  # `make_runner` builds the one-rank runner
+            tp_executor_module, "ModelRunner", functools.partial(ModelRunner, warm_up=warm_up)
         )
         return LLM(str(model_dir), **kwargs)
 

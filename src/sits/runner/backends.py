@@ -71,3 +71,12 @@ def graph_safe(model: torch.nn.Module, attn_backend: AttentionBackend) -> bool:
         for module in model.modules()
         if isinstance(module, SparseMoeBlock)
     )
+
+
+def moe_backend_name(model: torch.nn.Module) -> str:
+    """The class name of the model's MoE backend for logs, "none (dense)" without MoE."""
+    for module in model.modules():
+        backend = getattr(module, "moe_backend", None)
+        if backend is not None:
+            return type(backend).__name__
+    return "none (dense)"

@@ -113,3 +113,12 @@ def allocate_kv_caches(
         ]
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The KV storage for logs: "float32", "fp8 (float8_e4m3fn, per-head scales)", ..."""
+    if kv_cache_dtype == "fp8":
+        return "fp8 (float8_e4m3fn, per-head scales)"
+    if kv_cache_dtype == "int8":
+        return "int8 (per-token-per-head scales)"
+    return str(dtype).removeprefix("torch.")

@@ -46,10 +46,15 @@ from sits.core.plan import (
     StepPlan,
     StepResult,
 )
-from sits.core.sampling_params import SamplingParams
 from sits.layers.forward_context import ForwardContext
 from sits.models.loader import load_model
-from sits.runner.backends import graph_safe, select_attention_backend, select_moe_backend
+from sits.parallel import TensorParallel
+from sits.runner.backends import (
+    graph_safe,
+    moe_backend_name,
+    select_attention_backend,
+    select_moe_backend,
+)
 from sits.runner.cuda_graphs import (
     DecodeGraphs,
     MixedGraphs,
@@ -61,6 +66,7 @@ from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
     kv_bytes_per_block,
+    kv_dtype_name,
     kv_fixed_bytes,
     num_kv_blocks,
 )
@@ -68,19 +74,10 @@ from sits.runner.model_info import ModelInfo
 from sits.runner.precision import load_twin, memory_budget_bytes, precision_name
 from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
-from sits.sampling.batch import SamplingState, has_penalties, make_generator, to_device
+from sits.sampling.batch import SamplingState, make_generator, needs_host_tokens, to_device
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-def needs_host_tokens(params: SamplingParams) -> bool:
-    """True when sampling for these parameters needs every earlier token on the host (or
-    returns logprobs, read back with their token): such a request's steps are not launched
-    ahead (`ModelRunner.can_launch`)."""
-    return (
-        params.logprobs is not None or params.prompt_logprobs is not None or has_penalties(params)
-    )
 
 
 @dataclass(slots=True)
@@ -153,6 +150,7 @@ class ModelRunner:
             seed=config.seed,
             num_spare_experts=config.num_spare_experts,
             quantization=config.quantization,
+            tp=TensorParallel(rank, config.tensor_parallel_size),
         )
         self.model.eval()
         if config.tensor_parallel_size > 1:  # ranks route alike: no rank freezes on its own
@@ -211,7 +209,7 @@ class ModelRunner:
         logger.info(
             "KV cache dtype %s: %d blocks of %d bytes (%d tokens each; block 0 is the null "
             "block, %d hold requests' KV)",
-            self._kv_dtype_name(),
+            kv_dtype_name(self.kv_cache_dtype, self.dtype),
             self.num_blocks,
             bytes_per_block,
             self.block_size,
@@ -280,7 +278,7 @@ class ModelRunner:
         logger.info(
             "attention %s, MoE %s, decode CUDA graphs: %s, mixed-step CUDA graphs: %s",
             type(self.attn_backend).__name__,
-            self._moe_backend_name(),
+            moe_backend_name(self.model),
             self.graphs.batch_sizes if self.graphs else "off",
             self.mixed_graphs.token_buckets if self.mixed_graphs else "off",
         )
@@ -339,21 +337,6 @@ class ModelRunner:
         """Token counts a step with prompt tokens is padded to (its mixed-step CUDA graph),
         ascending; empty when such steps run eagerly, unpadded."""
         return tuple(self.mixed_graphs.token_buckets) if self.mixed_graphs else ()
-
-    def _moe_backend_name(self) -> str:
-        for module in self.model.modules():
-            backend = getattr(module, "moe_backend", None)
-            if backend is not None:
-                return type(backend).__name__
-        return "none (dense)"
-
-    def _kv_dtype_name(self) -> str:
-        """The KV storage for logs: "float32", "fp8 (float8_e4m3fn, per-head scales)", ..."""
-        if self.kv_cache_dtype == "fp8":
-            return "fp8 (float8_e4m3fn, per-head scales)"
-        if self.kv_cache_dtype == "int8":
-            return "int8 (per-token-per-head scales)"
-        return str(self.dtype).removeprefix("torch.")
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, while_gpu_runs: Callable[[], None] | None = None) -> StepResult:

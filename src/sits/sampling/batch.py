@@ -296,3 +296,12 @@ class SamplingBatch:
             shared_rows=shared_rows,
             shared_index=_index(shared_rows, len(random_rows), device) if shared_rows else None,
         )
+
+
+def needs_host_tokens(params: SamplingParams) -> bool:
+    """True when sampling for these parameters needs every earlier token on the host (or
+    returns logprobs, read back with their token): such a request's steps are not launched
+    ahead (`ModelRunner.can_launch`)."""
+    return (
+        params.logprobs is not None or params.prompt_logprobs is not None or has_penalties(params)
+    )
