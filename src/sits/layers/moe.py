@@ -23,13 +23,23 @@ Invariants:
   except for equal logits (torch.topk orders them arbitrarily, the kernel lowest id first) and
   non-finite rows (never checked on either path; torch.topk routes them to arbitrary experts,
   the kernel to the lowest-id unfrozen ones), which only move those rows' token counts.
-- Tensor parallelism (no expert parallelism yet): the router `gate` is replicated, so every
-  rank routes identically; every expert's w13 gate and up rows and w2 columns hold this
-  rank's slice `inter_shard` of the intermediate dimension, and the weighted expert sum is
-  summed over the ranks once per layer. The experts' non-finite flags ride in the same
+- Tensor parallelism: the router `gate` is replicated, so every rank routes identically (and
+  counts every expert's tokens alike); every expert's w13 gate and up rows and w2 columns
+  hold this rank's slice `inter_shard` of the intermediate dimension, and the weighted expert
+  sum is summed over the ranks once per layer. The experts' non-finite flags ride in the same
   all-reduce (appended to the output), so every rank folds the same `anomalous` flags and
   freezes the same experts. Spare slots are not combined with tensor parallelism (the loader
   refuses them).
+- Expert parallelism (`tp.expert_parallel`, EP size = tp.size): rank r holds the whole
+  experts `expert_shard` = [r * E / size, (r + 1) * E / size) in its w13 / w2 (local slot
+  e - start). Routing stays replicated and logical; before the experts each rank maps the
+  ids of experts it does not hold to -1 (no expert: those pairs add nothing) and its own to
+  local slots, so its output is the partial weighted sum over its experts, and the same one
+  all-reduce per layer combines the ranks: dispatch and combine by all-reduce, the simplest
+  correct scheme (every rank sees every token; all-to-all dispatch of each token to the
+  ranks of its experts is the later optimisation). A rank raises the non-finite flags of its
+  own experts only; the all-reduce ORs them, so load and health stay identical on every
+  rank, over all E logical experts.
 """
 
 from __future__ import annotations
@@ -101,9 +111,12 @@ class SparseMoeBlock(nn.Module):
             num_experts + num_spare_experts; logical expert e lives in slot
             `physical_slot(e)`, e itself without spares; I = `intermediate_size`).
         w2: [num_slots, hidden_size, I] parameter.
-        intermediate_size: this rank's expert width I (config.intermediate_size / tp.size).
+        intermediate_size: this rank's expert width I (config.intermediate_size / tp.size;
+            all of it with expert parallelism).
         inter_shard: the intermediate indices of the checkpoint's experts this rank holds.
-        tp: the tensor-parallel group.
+        expert_shard: the logical experts this rank holds (all of them without expert
+            parallelism); expert e sits in local slot e - expert_shard.start.
+        tp: the tensor-parallel group (`tp.expert_parallel`: shard by whole experts).
         moe_backend: where routing and experts run.
         num_spare_experts: spare physical slots (0 = none, no routing table).
         fused_routing: use the Triton routing and health kernels when the input is on CUDA and
@@ -118,16 +131,26 @@ class SparseMoeBlock(nn.Module):
         num_spare_experts: int = 0,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        """Raises InvalidParameterError when tp.size does not divide the experts' width."""
+        """Raises InvalidParameterError when tp.size does not divide the experts' width (or,
+        with `tp.expert_parallel`, the number of experts)."""
         super().__init__()
         self.config = config
         self.tp = tp
-        self.inter_shard = Shard.of(config.intermediate_size, tp, "the experts' intermediate_size")
-        num_experts, inter = config.num_experts, self.inter_shard.size
+        num_experts = config.num_experts
+        if tp.expert_parallel:
+            self.expert_shard = Shard.of(num_experts, tp, "num_experts with expert parallelism")
+            self.inter_shard = Shard.whole(config.intermediate_size)
+        else:
+            self.expert_shard = Shard.whole(num_experts)
+            self.inter_shard = Shard.of(
+                config.intermediate_size, tp, "the experts' intermediate_size"
+            )
+        num_local, inter = self.expert_shard.size, self.inter_shard.size
         self.intermediate_size = inter
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter))
+        self._local_nonfinite: Tensor | None = None  # expert parallelism: [num_local] flags
         self.moe_backend: MoeBackend = moe_backend if moe_backend is not None else TorchMoe()
         self._expert_state: ExpertState | None = None
         self.fused_routing = True
@@ -142,7 +165,8 @@ class SparseMoeBlock(nn.Module):
         model): it replaces both parameters.
 
         Raises:
-            InvalidParameterError: num_spare < 0.
+            InvalidParameterError: num_spare < 0, or num_spare > 0 on a rank holding only
+                some of the experts (expert parallelism).
         """
         if num_spare < 0:
             raise InvalidParameterError(
@@ -150,6 +174,11 @@ class SparseMoeBlock(nn.Module):
             )
         if num_spare == 0:
             return
+        if not self.expert_shard.is_whole:
+            raise InvalidParameterError(
+                "num_spare_experts",
+                f"num_spare_experts={num_spare} is not supported with expert parallelism yet",
+            )
         assert self.num_spare_experts == 0 and self._expert_slots is None, "spares added twice"
         num_experts = self.config.num_experts
         with torch.no_grad():
@@ -239,7 +268,9 @@ class SparseMoeBlock(nn.Module):
         non-finite flags folded into `state.anomalous` by logical id -> [T, hidden_size],
         summed (and the flags OR-ed) over the tensor-parallel ranks."""
         slots = self.expert_slots()
-        if slots is None:
+        if not self.expert_shard.is_whole:
+            out = self._run_local_experts(hidden, topk_weights, topk_ids, state.anomalous)
+        elif slots is None:
             out = self.moe_backend.experts(
                 hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
             )  # [num_tokens, hidden_size]
@@ -249,6 +280,30 @@ class SparseMoeBlock(nn.Module):
             )  # [num_tokens, hidden_size]
             slots.fold_nonfinite(state.anomalous)
         return self._reduce(out, state.anomalous)
+
+    def _run_local_experts(
+        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, anomalous: Tensor
+    ) -> Tensor:
+        """Expert parallelism: the backend's experts over this rank's experts only ->
+        [T, hidden_size], the partial weighted sum (rows routed elsewhere are zeros).
+
+        topk_ids [T, k] int64 logical ids become local slots, and -1 for experts other ranks
+        hold (a padding token's -1 stays -1); the local non-finite flags are OR-ed into
+        anomalous [num_experts] bool at this rank's experts, then cleared.
+        """
+        shard = self.expert_shard
+        held = (topk_ids >= shard.start) & (topk_ids < shard.stop)  # [T, k]
+        local_ids = torch.where(held, topk_ids - shard.start, -1)  # [T, k]
+        if self._local_nonfinite is None:
+            self._local_nonfinite = torch.zeros(
+                shard.size, dtype=torch.bool, device=self.w13.device
+            )  # persistent, so a captured graph reuses it
+        out = self.moe_backend.experts(
+            hidden, self.w13, self.w2, topk_weights, local_ids, self._local_nonfinite
+        )  # [num_tokens, hidden_size]
+        anomalous[shard.start : shard.stop] |= self._local_nonfinite
+        self._local_nonfinite.zero_()
+        return out
 
     def _reduce(self, out: Tensor, anomalous: Tensor) -> Tensor:
         """Sum out [T, hidden_size] over the tensor-parallel ranks and OR their anomalous
@@ -308,4 +363,6 @@ class SparseMoeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         spares = f", num_spare_experts={self.num_spare_experts}" if self.num_spare_experts else ""
-        return f"{self.config}{spares}"
+        shard = self.expert_shard
+        experts = "" if shard.is_whole else f", experts=[{shard.start}, {shard.stop})"
+        return f"{self.config}{spares}{experts}"

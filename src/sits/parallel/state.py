@@ -5,6 +5,8 @@ Invariants:
   use torch.distributed's default group, which must be initialised (gloo on the CPU, NCCL on
   GPUs) before the first collective with size > 1; with size 1 they return their input and
   never touch torch.distributed, so a single process needs no group.
+- `expert_parallel` only changes how MoE layers shard their experts (whole experts per rank,
+  EP size = size, `layers.moe.SparseMoeBlock`); every other layer shards as without it.
 - Every rank calls the same collectives in the same order with tensors of the same shape and
   dtype (the model's forward is identical on every rank), as torch.distributed requires.
 """
@@ -27,10 +29,14 @@ class TensorParallel:
     Attributes:
         rank: this process's index in [0, size).
         size: processes in the group (1 = no tensor parallelism).
+        expert_parallel: MoE layers place whole experts on the ranks (rank r holds experts
+            [r * E / size, (r + 1) * E / size)) instead of a slice of every expert
+            (vLLM's `--enable-expert-parallel`; nothing changes with size 1).
     """
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
