@@ -26,6 +26,9 @@ Tensor parallelism (`tp`, `sits.parallel`): the model is built as this rank's sh
 (`DecoderForCausalLM(config, tp=tp)`), and each checkpoint tensor is sliced on the CPU to the
 rows / columns the rank holds (`weight_map.TensorSlice`: per fused part, per expert) before it
 is cast and copied, so a rank never holds more of the model on its device than its shard.
+With `tp.expert_parallel` a rank's MoE layers hold whole experts (`SparseMoeBlock.expert_shard`):
+the other ranks' per-expert tensors are skipped unread, and the coverage check counts this
+rank's experts exactly.
 Quantized weights and spare expert slots are refused with tp.size > 1 (not supported yet).
 
 Invariants: every parameter element is written exactly once, or loading fails with
@@ -42,8 +45,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -71,6 +75,8 @@ from sits.parallel import SINGLE, TensorParallel
 
 HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 _MAX_NAMES_IN_ERROR = 8
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -124,8 +130,9 @@ def build_meta_model(
         ModelNotFoundError: no config.json.
         UnsupportedModelError: unsupported architecture, option or quantization scheme, or
             quantized weights with tp.size > 1.
-        InvalidParameterError: tp.size does not fit the heads, KV heads, an intermediate size
-            or the vocabulary (the message gives the numbers).
+        InvalidParameterError: tp.size does not fit the heads, KV heads, an intermediate size,
+            the vocabulary or (with tp.expert_parallel) num_experts (the message gives the
+            numbers).
     """
     hf_config = load_hf_config(model_dir)
     quant = quant_config_of(_quantization_config(hf_config), quantization)
@@ -190,7 +197,8 @@ def load_model(
         tp: the tensor-parallel rank and size (SINGLE: the whole model). With size > 1 the
             rank's shard is built and only its slice of each checkpoint tensor is copied;
             dummy weights are then the shard's own seeded values (replicated parameters
-            equal on every rank), not slices of the whole model's dummy weights.
+            equal on every rank), not slices of the whole model's dummy weights. With
+            tp.expert_parallel each MoE layer holds its rank's whole experts.
 
     Returns:
         The model in eval mode, parameters without gradients.
@@ -211,6 +219,12 @@ def load_model(
             "a rank's slice of it",
         )
     model = build_meta_model(model_dir, moe_backend, quantization, tp)
+    if (
+        tp.expert_parallel
+        and tp.rank == 0
+        and not any(isinstance(module, SparseMoeBlock) for module in model.modules())
+    ):
+        logger.info("expert parallel: the model has no MoE layers, so it changes nothing")
     spare_blocks = _add_spare_slots(model, num_spare_experts)
     model = model.to(dtype)
     keep_quant_dtypes(model)
@@ -277,7 +291,7 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     Raises:
         UnsupportedModelError: missing, unexpected, duplicated or misshapen weights.
     """
-    pairs = _safetensors_pairs(files)
+    pairs = _safetensors_pairs(files, lambda name: is_skipped(model, name))
     quant = model_quant_config(model)
     if quant is not None and quant.online:
         pairs = (
@@ -286,14 +300,18 @@ def load_weights(model: DecoderForCausalLM, files: list[str]) -> None:
     load_weights_from(model, pairs)
 
 
-def _safetensors_pairs(files: list[str]) -> Iterator[tuple[str, Tensor]]:
-    """(name, CPU tensor) of every tensor in the files, read one at a time; a sharded
-    checkpoint (more than one file) shows vLLM's bar over its files on stderr."""
+def _safetensors_pairs(
+    files: list[str], skip: Callable[[str], bool]
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, CPU tensor) of every tensor in the files but those `skip` names (never read),
+    one at a time; a sharded checkpoint (more than one file) shows vLLM's bar over its files
+    on stderr."""
     shards = tqdm(files, desc="Loading safetensors checkpoint shards", disable=len(files) < 2)
     for path in shards:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                yield name, f.get_tensor(name)
+                if not skip(name):
+                    yield name, f.get_tensor(name)
 
 
 def _online_fp8_pairs(

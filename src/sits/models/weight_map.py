@@ -16,7 +16,10 @@ Weight names are mapped from Hugging Face checkpoints onto our fused parameters:
 A tensor-parallel shard's layers say which rows / columns they hold
 (`FusedLinear.part_shards`, `RowParallelLinear.col_shard`, `row_shard` of the vocabulary
 layers, `SparseMoeBlock.inter_shard`); `TensorSlice` cuts the checkpoint tensor to them, per
-fused part and per expert, before anything is copied.
+fused part and per expert, before anything is copied. With expert parallelism
+(`SparseMoeBlock.expert_shard`) a rank keeps whole experts: its experts' per-expert tensors go
+to their local slots, the fused [E, ...] tensors are cut to its experts along dim 0, and the
+per-expert tensors of the other ranks' experts are skipped (`is_skipped`).
 
 Invariant: the mapping reads only module types and shapes, so it works on a meta-device model.
 """
@@ -107,10 +110,26 @@ def checkpoint_target(
 
 
 def is_skipped(model: DecoderForCausalLM, name: str) -> bool:
-    """Checkpoint tensors that carry no parameter: RoPE buffers, a tied LM head's copy."""
+    """Checkpoint tensors that carry no parameter: RoPE buffers, a tied LM head's copy, and
+    with expert parallelism the per-expert tensors of experts another rank holds."""
     if _SKIPPED.search(name):
         return True
-    return name == "lm_head.weight" and model.config.tie_word_embeddings
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return True
+    return _is_other_ranks_expert(model, name)
+
+
+def _is_other_ranks_expert(model: nn.Module, name: str) -> bool:
+    """A per-expert checkpoint tensor of an expert this expert-parallel rank does not hold."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    match = _EXPERT_W13.match(name) or _EXPERT_W2.match(name)
+    if match is None:
+        return False
+    module = submodule(model, match.group(1))
+    if not isinstance(module, SparseMoeBlock) or module.expert_shard.is_whole:
+        return False
+    expert, shard = int(match.group(2)), module.expert_shard
+    return expert < shard.full and not shard.start <= expert < shard.stop
 
 
 def target_of(model: nn.Module, name: str, params: dict[str, Tensor]) -> WeightTarget | None:
@@ -180,7 +199,8 @@ def _plain_target(model: nn.Module, name: str) -> WeightTarget:
 def _fused_experts(model: nn.Module, prefix: str, param: str) -> WeightTarget:
     """All experts of w13 or w2 at once: the whole parameter, or its logical slots 0 .. E-1
     when the block has spare slots; under tensor parallelism this rank's gate rows and up
-    rows of the checkpoint's [E, 2I, H] gate_up_proj, its columns of [E, H, I] down_proj."""
+    rows of the checkpoint's [E, 2I, H] gate_up_proj, its columns of [E, H, I] down_proj;
+    under expert parallelism this rank's experts (dim 0) of both."""
     module = submodule(model, prefix)
     if isinstance(module, QUANT_MOE_BLOCKS):
         raise UnsupportedModelError(
@@ -190,6 +210,8 @@ def _fused_experts(model: nn.Module, prefix: str, param: str) -> WeightTarget:
     index: tuple[int | slice, ...] = ()
     if isinstance(module, SparseMoeBlock) and module.num_spare_experts:
         index = (slice(0, module.config.num_experts),)
+    if isinstance(module, SparseMoeBlock) and not module.expert_shard.is_whole:
+        return WeightTarget(f"{prefix}.{param}", (), shard=TensorSlice.of(0, module.expert_shard))
     if not isinstance(module, SparseMoeBlock) or module.inter_shard.is_whole:
         return WeightTarget(f"{prefix}.{param}", index)
     inter = module.inter_shard
@@ -203,22 +225,24 @@ def _fused_experts(model: nn.Module, prefix: str, param: str) -> WeightTarget:
 def _expert_part(
     model: nn.Module, prefix: str, expert: int, part: str, kind: str = "weight"
 ) -> WeightTarget | None:
-    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down"); for FP8
-    experts also their scales (`checkpoint_target` of the quantized MoE blocks)."""
+    """Expert `expert`'s gate rows / up rows of w13, or its w2 ("gate", "up", "down"), in its
+    local slot (expert - expert_shard.start: expert itself without expert parallelism; None
+    for an expert this rank does not hold); for FP8 experts also their scales
+    (`checkpoint_target` of the quantized MoE blocks)."""
     module = submodule(model, prefix)
     if isinstance(module, QUANT_MOE_BLOCKS):
         return _quant_target(prefix, module.checkpoint_target(expert, part, kind))
-    if not isinstance(module, SparseMoeBlock) or expert >= module.config.num_experts:
+    if not isinstance(module, SparseMoeBlock) or kind != "weight":
         return None
-    if kind != "weight":
+    shard = module.expert_shard
+    if not shard.start <= expert < shard.stop:
         return None
+    slot = expert - shard.start
     if part == "down":  # [H, I]: this rank's columns
-        return WeightTarget(f"{prefix}.w2", (expert,), shard=TensorSlice.of(1, module.inter_shard))
+        return WeightTarget(f"{prefix}.w2", (slot,), shard=TensorSlice.of(1, module.inter_shard))
     inter = module.intermediate_size
     rows = slice(inter, 2 * inter) if part == "up" else slice(0, inter)
-    return WeightTarget(
-        f"{prefix}.w13", (expert, rows), shard=TensorSlice.of(0, module.inter_shard)
-    )
+    return WeightTarget(f"{prefix}.w13", (slot, rows), shard=TensorSlice.of(0, module.inter_shard))
 
 
 def submodule(model: nn.Module, name: str) -> nn.Module | None:
