@@ -115,11 +115,15 @@ def _rank_main(rank: int, port: int, cases: list[tuple[str, str, bool]], out_dir
         dist.destroy_process_group()
 
 
-def _spawn_ranks(cases: list[tuple[str, str, bool]], out_dir: Path) -> None:
-    """Run `_rank_main` on TP_SIZE processes; join them all (killing any left at the hang
-    ceiling or after a failure)."""
+def _spawn_ranks(cases: list[tuple[str, str, bool]], out_dir: Path, rank_main=None) -> None:
+    """Run `rank_main(rank, port, cases, out_dir)` (None: `_rank_main`, a module-level
+    function) on TP_SIZE processes; join them all (killing any left at the hang ceiling or
+    after a failure)."""
     context = mp.spawn(
-        _rank_main, args=(_free_port(), cases, str(out_dir)), nprocs=TP_SIZE, join=False
+        rank_main or _rank_main,
+        args=(_free_port(), cases, str(out_dir)),
+        nprocs=TP_SIZE,
+        join=False,
     )
     try:
         deadline = time.monotonic() + HANG_S
