@@ -115,6 +115,13 @@ class EngineConfig:
             (`sits.runner.tp_executor`): gloo on a CPU, NCCL on CUDA devices cuda:0..N-1.
             With N > 1, async_scheduling, precision_switch and num_spare_experts are refused
             and CUDA graphs are not captured (every step runs eagerly).
+        enable_expert_parallel: vLLM's `--enable-expert-parallel`: with tensor_parallel_size
+            N, every MoE layer places its experts whole on the ranks (rank r holds experts
+            [r * E / N, (r + 1) * E / N); N must divide E, refused at load with the numbers)
+            instead of slicing every expert; attention and dense layers stay tensor
+            parallel. A dense model, or N = 1, runs as without it (a log line says so for
+            a dense model). With N > 1, as without it, spare experts are refused and the
+            MoE health check only counts (no freeze or restore).
         tensor_parallel_timeout_s: seconds a collective between the ranks may wait (the
             gloo/NCCL timeout) before the step fails with `TensorParallelWorkerError`: a hung
             worker fails the engine within this time.
@@ -147,6 +154,7 @@ class EngineConfig:
     tpot_pacing_min_prefill_tokens: int = 0
     cpu_threads: int | None = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -146,6 +146,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "--engine-process are refused",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="place each MoE layer's experts whole on the tensor-parallel ranks (expert "
+        "parallel size = --tensor-parallel-size, which must divide the experts) instead of "
+        "slicing every expert; attention and dense layers stay tensor parallel; a dense model "
+        "runs as without it",
+    )
+    parser.add_argument(
         "--tensor-parallel-timeout",
         type=float,
         default=60.0,
@@ -196,5 +204,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tpot_pacing_fraction": args.tpot_pacing_fraction,
         "tpot_pacing_min_prefill_tokens": args.tpot_pacing_min_prefill_tokens,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "tensor_parallel_timeout_s": args.tensor_parallel_timeout,
     }
