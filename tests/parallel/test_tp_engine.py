@@ -1,7 +1,8 @@
 """The tensor-parallel engine (issue 27, `sits.runner.tp_executor`) on the CPU over gloo: with
 two ranks greedy tokens equal one rank's under chunked prefill, a prefix-cache hit and an
-abort; a worker killed mid-run fails the next step with `TensorParallelWorkerError` and the
-engine still shuts down; the flag and the misconfigurations are refused with the numbers.
+abort, also with expert parallelism (whose expert counts equal one rank's); a worker killed
+mid-run fails the next step with `TensorParallelWorkerError` and the engine still shuts
+down; the flags and the misconfigurations are refused with the numbers.
 
 Each engine of two ranks spawns one worker; every test shuts its engines down (joining the
 worker) in a finally, and `_no_worker_left` checks that no worker outlives its test.
@@ -24,7 +25,9 @@ from sits.core.errors import InvalidParameterError, TensorParallelWorkerError
 from sits.core.request import FinishReason
 from sits.engine.arg_utils import engine_kwargs
 from sits.engine.output_processor import make_engine_requests
+from sits.layers.moe import SparseMoeBlock
 from sits.models.loader import load_model
+from sits.runner.expert_health import ExpertMonitor
 from sits.runner.tp_executor import TensorParallelRunner, check_devices
 from tests.engine.hf_reference import random_prompts
 from tests.waits import HANG_S, wait_until
@@ -37,7 +40,7 @@ HUNG_TIMEOUT_S = 8.0  # the hung-worker test's: short, yet room for its start
 ARCHS = ("llama", "qwen3_moe") if "tp" in inspect.signature(load_model).parameters else ("llama",)
 
 
-def _llm(model_dir, tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> LLM:
+def _llm(model_dir, tensor_parallel_size: int, timeout_s: float = TIMEOUT_S, **kwargs) -> LLM:
     return LLM(
         model=str(model_dir),
         dtype="float32",
@@ -47,6 +50,7 @@ def _llm(model_dir, tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> 
         skip_tokenizer_init=True,
         tensor_parallel_size=tensor_parallel_size,
         tensor_parallel_timeout_s=timeout_s,
+        **kwargs,
     )
 
 
@@ -139,6 +143,42 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, arch: str) -
     assert cached["p2"] == 16  # p1's first block, from the prefix cache
 
 
+def _expert_counts(llm: LLM) -> list[list[int]]:
+    """Rank 0's per-layer expert token counts, as the engine's `ExpertMonitor` reads them."""
+    stats = ExpertMonitor.of_model(llm.engine_core.runner.model, freeze_after=0).read()
+    return [list(layer.num_tokens) for layer in stats.layers]
+
+
+def test_expert_parallel_gives_one_ranks_greedy_tokens(tiny_model_factory) -> None:
+    """enable_expert_parallel with two ranks: the scenario's tokens equal TP=1's, rank 0
+    holds half of every MoE layer's experts, and its monitor reads TP=1's expert counts."""
+    model_dir = tiny_model_factory("qwen3_moe")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    p0, p1, tail, x = random_prompts([5, 23, 12, 19], vocab, seed=3)
+    prompts = [p0, p1, p1[:16] + tail, x]
+    one = two = None
+    try:
+        one = _llm(model_dir, 1)
+        expected = _scenario(one, prompts)
+        expected_counts = _expert_counts(one)
+        one.shutdown()
+        two = _llm(model_dir, 2, enable_expert_parallel=True)
+        got = _scenario(two, prompts)
+        counts = _expert_counts(two)
+        blocks = [
+            m for m in two.engine_core.runner.model.modules() if isinstance(m, SparseMoeBlock)
+        ]
+    finally:
+        _shutdown_all(one, two)
+    assert got == expected
+    assert counts == expected_counts and sum(counts[0]) > 0
+    num_experts = blocks[0].config.num_experts
+    assert [(b.expert_shard.start, b.expert_shard.stop) for b in blocks] == [
+        (0, num_experts // 2)
+    ] * len(blocks)
+    assert all(b.w13.shape[0] == num_experts // 2 for b in blocks)
+
+
 def test_a_killed_worker_fails_the_next_step(tiny_model_factory) -> None:
     """SIGKILL to the worker between steps: the next step raises TensorParallelWorkerError
     naming the rank and its exit, every later step too, and shutdown still joins."""
@@ -194,6 +234,9 @@ def test_flag_and_kwarg() -> None:
     kwargs = engine_kwargs(args)
     assert (kwargs["tensor_parallel_size"], kwargs["tensor_parallel_timeout_s"]) == (1, 5.0)
     assert EngineConfig(model="m", tensor_parallel_size=4).tensor_parallel_size == 4
+    assert kwargs["enable_expert_parallel"] is False
+    args = parser.parse_args(["serve", "--model", "m", "-tp", "2", "--enable-expert-parallel"])
+    assert engine_kwargs(args)["enable_expert_parallel"] is True
 
 
 @pytest.mark.parametrize(
