@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
@@ -66,14 +67,27 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Load the model, generate for each prompt, print the text (or JSON)."""
-    from sits import LLM, SamplingParams
+    """Load the model, generate for each prompt, print the text (or JSON), then shut the
+    engine down (with `--tensor-parallel-size` > 1: join its worker processes).
+    """
+    from sits import LLM
     from sits.demo import DEMO_MODEL_NAME, ensure_demo_model
 
     kwargs = engine_kwargs(args)
     if kwargs["model"] in (None, DEMO_MODEL_NAME):  # no model: the built-in demo model
         kwargs["model"] = ensure_demo_model()
     llm = LLM(**kwargs)
+    try:
+        _generate(llm, args)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _generate(llm: Any, args: argparse.Namespace) -> None:
+    """Print each prompt's samples (text and finish reason, or one JSON line each)."""
+    from sits import SamplingParams
+
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -97,4 +111,3 @@ def run_generate(args: argparse.Namespace) -> int:
             else:
                 print(f"{out.prompt}{sample.text}")
                 print(f"[finish_reason={sample.finish_reason}, tokens={len(sample.token_ids)}]")
-    return 0
