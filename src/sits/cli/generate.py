@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from sits.cli.tp_check import check_tensor_parallel_fit
 from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
 
@@ -69,13 +70,19 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Load the model, generate for each prompt, print the text (or JSON), then shut the
     engine down (with `--tensor-parallel-size` > 1: join its worker processes).
+
+    Raises:
+        SitsError: a refused flag, model or tensor-parallel size (`check_tensor_parallel_fit`,
+            before any worker starts).
     """
     from sits import LLM
+    from sits.config import EngineConfig
     from sits.demo import DEMO_MODEL_NAME, ensure_demo_model
 
     kwargs = engine_kwargs(args)
     if kwargs["model"] in (None, DEMO_MODEL_NAME):  # no model: the built-in demo model
         kwargs["model"] = ensure_demo_model()
+    check_tensor_parallel_fit(EngineConfig(**kwargs))
     llm = LLM(**kwargs)
     try:
         _generate(llm, args)

@@ -15,7 +15,9 @@ FCFS scheduling. With `--engine-process` the engine's step loop runs in a child 
 `--precision-policy overload` (with `--precision-red-seconds` / `--precision-green-seconds`)
 lets the overload state switch the weights of `--precision-switch`; without that flag it is
 refused before the model loads (exit 2). So is a busy `--host`/`--port` (`check_port_free`):
-the port is tried before any model work, not after a long load.
+the port is tried before any model work, not after a long load. A `--tensor-parallel-size`
+the model's heads, KV heads or vocabulary do not fit is refused (exit 2, one line) before any
+worker process starts (`sits.cli.tp_check`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sits.cli.fleet_flags import (
     registration_arg,
     resolve_router_key,
 )
+from sits.cli.tp_check import check_tensor_parallel_fit
 from sits.config import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, TRACING_ENVS, env_values
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
@@ -469,6 +472,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from sits.engine.builder import tenant_policies_of
 
         config = EngineConfig(**kwargs)
+        check_tensor_parallel_fit(config)  # before any worker process starts
         engine = AsyncLLM(
             config,
             engine_process=args.engine_process,
