@@ -270,3 +270,19 @@ def test_engine_process_with_two_ranks_is_refused() -> None:
     with pytest.raises(InvalidParameterError, match="tensor_parallel_size 2") as info:
         AsyncLLM(config, engine_process=True)
     assert info.value.param == "engine_process"
+
+
+def test_a_size_the_model_does_not_fit_is_refused_before_any_worker(
+    tiny_model_factory, monkeypatch
+) -> None:
+    """LLM(tensor_parallel_size=3) on a model of 4 heads: the error with the numbers, raised by
+    rank 0's meta-device shard before a worker process is started."""
+    from sits.runner import tp_executor
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(tp_executor.TensorParallelRunner, "_start_workers", no_workers)
+    model_dir = tiny_model_factory("llama")
+    with pytest.raises(InvalidParameterError, match="tensor parallel size 3 does not divide"):
+        _llm(model_dir, 3)

@@ -1,9 +1,8 @@
 """Refusing a tensor-parallel size that the model's shapes do not fit, before any rank starts.
 
-The engine finds out too, but only once its worker processes load their shards: each worker
-then logs its traceback and `sits serve` / `sits generate` print a screen of them before their
-one error line, after seconds of process starts. Building rank 0's shard on the meta device
-(no memory, no weights read) raises the same error at once, with the numbers.
+`sits serve` / `sits generate` call this with the flags' config before they build an engine, so
+the refusal is one `error:` line naming the flag (the engine makes the same check,
+`runner.tp_executor.check_tensor_parallel_fit`, before it starts a worker).
 """
 
 from __future__ import annotations
@@ -13,20 +12,18 @@ from sits.config import EngineConfig
 
 def check_tensor_parallel_fit(config: EngineConfig) -> None:
     """Build rank 0's shard of `config.model` on the meta device when
-    `config.tensor_parallel_size` > 1; nothing with one rank.
+    `config.tensor_parallel_size` > 1 (`runner.tp_executor.check_tensor_parallel_fit`);
+    nothing with one rank.
 
     Raises:
         InvalidParameterError: the size does not divide the heads, KV heads, an intermediate
-            size or the vocabulary (the message gives the numbers).
-        UnsupportedModelError: the checkpoint is quantized (TP of quantized weights is not
-            supported yet) or its architecture is not supported.
+            size, the experts (expert parallel) or the vocabulary (with the numbers).
+        UnsupportedModelError: the checkpoint is quantized or its architecture unsupported.
         ModelNotFoundError: the model cannot be resolved.
     """
     if config.tensor_parallel_size == 1:
         return
-    from sits.models.loader import build_meta_model, resolve_model_path
-    from sits.parallel.state import TensorParallel
+    from sits.models.loader import resolve_model_path
+    from sits.runner.tp_executor import check_tensor_parallel_fit as check_shard
 
-    model_dir = resolve_model_path(config.model)
-    tp = TensorParallel(rank=0, size=config.tensor_parallel_size)
-    build_meta_model(model_dir, quantization=config.quantization, tp=tp)
+    check_shard(config, resolve_model_path(config.model))

@@ -60,6 +60,8 @@ import torch.multiprocessing
 from sits.config import EngineConfig
 from sits.core.errors import InvalidParameterError, TensorParallelWorkerError
 from sits.core.plan import StepPlan, StepResult
+from sits.models.loader import build_meta_model
+from sits.parallel import TensorParallel
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 
@@ -85,6 +87,27 @@ def make_runner(config: EngineConfig, info: ModelInfo) -> ModelRunner:
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, info)
     return TensorParallelRunner(config, info)
+
+
+def check_tensor_parallel_fit(config: EngineConfig, model_dir: str) -> None:
+    """Build rank 0's shard of the model on the meta device (no memory, no weights read), so
+    that a size the model's shapes do not fit is refused at once, before any worker process
+    starts (each would otherwise load its shard and log its own traceback); nothing with one
+    rank.
+
+    Raises:
+        InvalidParameterError: the size does not divide the heads, KV heads, an intermediate
+            size, the experts (expert parallel) or the vocabulary (the message gives the
+            numbers).
+        UnsupportedModelError: the checkpoint is quantized (TP of quantized weights is not
+            supported yet) or its architecture is not supported.
+    """
+    if config.tensor_parallel_size == 1:
+        return
+    tp = TensorParallel(
+        rank=0, size=config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel
+    )
+    build_meta_model(model_dir, quantization=config.quantization, tp=tp)
 
 
 def check_devices(size: int, device_type: str, num_devices: int) -> None:
@@ -244,6 +267,7 @@ class TensorParallelRunner(ModelRunner):
         size = config.tensor_parallel_size
         num_devices = torch.cuda.device_count() if info.device.type == "cuda" else 0
         check_devices(size, info.device.type, num_devices)
+        check_tensor_parallel_fit(config, info.model_dir)
         if dist.is_initialized():
             raise InvalidParameterError(
                 "tensor_parallel_size",
