@@ -286,3 +286,24 @@ def test_a_size_the_model_does_not_fit_is_refused_before_any_worker(
     model_dir = tiny_model_factory("llama")
     with pytest.raises(InvalidParameterError, match="tensor parallel size 3 does not divide"):
         _llm(model_dir, 3)
+
+
+def test_a_script_without_a_main_guard_gets_the_spawn_hint(tiny_model_factory, tmp_path) -> None:
+    """A script that builds a TP engine at module level: its spawned worker re-imports the
+    script and dies; the error tells the user to use a `__main__` guard."""
+    import subprocess
+    import sys
+
+    model_dir = tiny_model_factory("llama")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from sits import LLM\n"
+        f"LLM({str(model_dir)!r}, tensor_parallel_size=2, max_model_len=64, max_num_seqs=2,\n"
+        "    kv_cache_memory_bytes=1 << 20)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S
+    )
+    assert done.returncode != 0
+    assert "TensorParallelWorkerError" in done.stderr
+    assert 'under `if __name__ == "__main__":`' in done.stderr

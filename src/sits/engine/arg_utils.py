@@ -142,8 +142,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         default=1,
         help="ranks the model runs on: this process and N-1 workers, one per GPU (cuda:0..N-1, "
         "NCCL) or over gloo on a CPU; 1 (the default): this process alone. With N > 1 steps "
-        "run eagerly; --async-scheduling, --precision-switch, --num-spare-experts and "
-        "--engine-process are refused",
+        "run eagerly; quantized weights, --async-scheduling, --precision-switch, "
+        "--num-spare-experts and --engine-process are refused",
     )
     parser.add_argument(
         "--enable-expert-parallel",

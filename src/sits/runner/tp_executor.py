@@ -77,6 +77,11 @@ START_TIMEOUT_S = 900.0
 _BLOCKS_KEY = "sits/num_blocks"
 _JOIN_S = 30.0  # a stopped worker exits within this; longer = killed
 
+SPAWN_HINT = (
+    "workers are spawned and re-import the main module, so a script must build the engine "
+    'under `if __name__ == "__main__":`'
+)
+
 
 def make_runner(config: EngineConfig, info: ModelInfo) -> ModelRunner:
     """The engine's runner: `ModelRunner` for one rank, `TensorParallelRunner` for more.
@@ -333,7 +338,8 @@ class TensorParallelRunner(ModelRunner):
             for worker in self.workers:
                 if not worker.process.is_alive():
                     raise TensorParallelWorkerError(
-                        f"tensor-parallel startup failed: {self._exit_text(worker)}"
+                        f"tensor-parallel startup failed: {self._exit_text(worker)} (its log "
+                        f"above says why; {SPAWN_HINT})"
                     )
             if time.monotonic() > deadline_s:
                 raise TensorParallelWorkerError(
