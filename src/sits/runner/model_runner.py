@@ -19,11 +19,10 @@ each name to its model, each with its own warm-up and CUDA graphs over the one K
 `set_precision` (between steps) picks the set the next steps run.
 
 With `tensor_parallel_size` N > 1 the runner is one rank of N (`rank`; the default process
-group is up, `sits.runner.tp_executor`): every rank takes the KV block count its
-`agree_num_blocks` gives, the smallest of all (so the one scheduler's block ids are valid
-everywhere), the MoE health check's on-device
-freezing is off (ranks must route alike), and no CUDA graph is captured. With
-`enable_expert_parallel` the rank's MoE layers hold whole experts (`layers.moe`).
+group is up, `sits.runner.tp_executor`): every rank takes the KV block count `agree_num_blocks`
+gives (the smallest of all, so the one scheduler's block ids are valid everywhere), the MoE
+health check's freezing is off (ranks must route alike) and no CUDA graph is captured.
+With `enable_expert_parallel` the rank's MoE layers hold whole experts (`layers.moe`).
 """
 
 from __future__ import annotations
@@ -151,9 +150,7 @@ class ModelRunner:
             seed=config.seed,
             num_spare_experts=config.num_spare_experts,
             quantization=config.quantization,
-            tp=TensorParallel(
-                rank, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel
-            ),
+            tp=TensorParallel(rank, config.tensor_parallel_size, config.enable_expert_parallel),
         )
         self.model.eval()
         if config.tensor_parallel_size > 1:  # ranks route alike: no rank freezes on its own
