@@ -182,6 +182,7 @@ class DecoderForCausalLM(nn.Module):
     Attributes:
         config: the decoder configuration (the checkpoint's shapes, whatever the rank).
         tp: the tensor-parallel group this model is a shard of (SINGLE: the whole model).
+        arch: the runner's shapes (`ModelArch`), with this rank's KV heads.
         model: embeddings, layers and final norm.
         lm_head: `ParallelLMHead` (Linear(hidden_size, vocab_size / tp.size, bias=False)),
             tied to the embeddings when the config says so.
@@ -205,16 +206,15 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(config, moe_backend, tp)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
+        heads = shard_heads(config.attention.num_heads, config.attention.num_kv_heads, tp)
+        # the runner's shapes with this rank's KV heads, fixed at build (read per request)
+        self.arch = dataclasses.replace(config.arch, num_kv_heads=heads.num_kv_heads)
 
     def tie_weights(self) -> None:
         """Point lm_head.weight at the embedding matrix when the config ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def arch(self) -> ModelArch:
-        """The runner's shapes, with this rank's KV heads."""
-        return dataclasses.replace(self.config.arch, num_kv_heads=self.num_kv_heads)
 
     @property
     def num_layers(self) -> int:
@@ -223,8 +223,7 @@ class DecoderForCausalLM(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """KV heads of this tensor-parallel rank (all of them without tensor parallelism)."""
-        attention = self.config.attention
-        return shard_heads(attention.num_heads, attention.num_kv_heads, self.tp).num_kv_heads
+        return self.arch.num_kv_heads
 
     @property
     def head_dim(self) -> int:
