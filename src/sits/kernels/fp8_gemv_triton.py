@@ -50,7 +50,7 @@ from torch import Tensor
 
 from sits.kernels.fp8_ref import FP8_DTYPE
 from sits.kernels.moe_triton import launch_topk_sum
-from sits.kernels.triton_utils import cdiv
+from sits.kernels.triton_utils import cdiv, check_launch_fields
 
 GEMV_MAX_ROWS = 1  # dense: up to this many tokens the GEMV beats the tiled W8A16 kernel
 MOE_GEMV_MAX_TOKENS = 8  # fused MoE: up to this many tokens the per-pair GEMV is used
@@ -76,15 +76,9 @@ class GemvConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
+        check_launch_fields(self, ("block_n", "block_k"), ("num_warps", "num_stages"))
         if self.block_k < 16:
             raise ValueError(f"block_k must be >= 16, got {self.block_k}")
-        for name in ("num_warps", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 DEFAULT_CONFIG = GemvConfig()

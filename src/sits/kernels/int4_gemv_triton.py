@@ -41,7 +41,7 @@ from torch import Tensor
 
 from sits.kernels.int4_ref import PACK
 from sits.kernels.moe_triton import launch_topk_sum
-from sits.kernels.triton_utils import cdiv
+from sits.kernels.triton_utils import cdiv, check_launch_fields
 
 MOE_INT4_GEMV_MAX_TOKENS = 8  # fused MoE: up to this many tokens the per-pair GEMV runs
 # H200 (bench/kernels/int4_gemv_bench.py, 2026-12-02): with the configs below the MoE GEMV is
@@ -67,13 +67,7 @@ class Int4GemvConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "groups"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-        for name in ("num_warps", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_launch_fields(self, ("block_n", "groups"), ("num_warps", "num_stages"))
 
 
 MOE_UP_CONFIG = Int4GemvConfig(32, 4, 4, 3)

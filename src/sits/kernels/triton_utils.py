@@ -60,3 +60,21 @@ def as_bytes(flags: torch.Tensor) -> torch.Tensor:
     """A bool tensor viewed as uint8 (kernels read and write flags as bytes); other dtypes are
     returned unchanged."""
     return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
+
+
+def check_launch_fields(
+    config: object, powers_of_two: tuple[str, ...], at_least_one: tuple[str, ...]
+) -> None:
+    """Validate a launch-config dataclass's integer fields by name.
+
+    Raises:
+        ValueError: a field of `powers_of_two` that is not a power of two, or one of
+            `at_least_one` below 1 (the message names the field and its value).
+    """
+    for name in powers_of_two:
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    for name in at_least_one:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
