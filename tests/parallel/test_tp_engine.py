@@ -1,8 +1,8 @@
 """The tensor-parallel engine (issue 27, `sits.runner.tp_executor`) on the CPU over gloo: with
 two ranks greedy tokens equal one rank's under chunked prefill, a prefix-cache hit and an
-abort, also with expert parallelism (whose expert counts equal one rank's); a worker killed
-mid-run fails the next step with `TensorParallelWorkerError` and the engine still shuts
-down; the flags and the misconfigurations are refused with the numbers.
+abort on all five architectures, also with expert parallelism (whose expert counts equal one
+rank's); a worker killed mid-run fails the next step with `TensorParallelWorkerError` and the
+engine still shuts down; the flags and the misconfigurations are refused with the numbers.
 
 Each engine of two ranks spawns one worker; every test shuts its engines down (joining the
 worker) in a finally, and `_no_worker_left` checks that no worker outlives its test.
@@ -10,7 +10,6 @@ worker) in a finally, and `_no_worker_left` checks that no worker outlives its t
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
@@ -26,31 +25,31 @@ from sits.core.request import FinishReason
 from sits.engine.arg_utils import engine_kwargs
 from sits.engine.output_processor import make_engine_requests
 from sits.layers.moe import SparseMoeBlock
-from sits.models.loader import load_model
 from sits.runner.expert_health import ExpertMonitor
 from sits.runner.tp_executor import TensorParallelRunner, check_devices
+from tests.conftest import ARCHS
 from tests.engine.hf_reference import random_prompts
 from tests.waits import HANG_S, wait_until
 
 MAX_TOKENS = 8
 TIMEOUT_S = 60.0  # the collectives' timeout: the ranks' start on a loaded machine fits in it
 HUNG_TIMEOUT_S = 8.0  # the hung-worker test's: short, yet room for its start
-# Sharded weights (T1's `load_model(tp=...)`) make the MoE family worth its own engine; with
-# the full model on every rank one family proves the executor.
-ARCHS = ("llama", "qwen3_moe") if "tp" in inspect.signature(load_model).parameters else ("llama",)
 
 
 def _llm(model_dir, tensor_parallel_size: int, timeout_s: float = TIMEOUT_S, **kwargs) -> LLM:
+    options = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_batched_tokens": 8,  # every prompt below is prefilled in chunks
+        "kv_cache_memory_bytes": 2**21,
+        "skip_tokenizer_init": True,
+        **kwargs,
+    }
     return LLM(
         model=str(model_dir),
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=8,  # every prompt below is prefilled in chunks
-        kv_cache_memory_bytes=2**21,
-        skip_tokenizer_init=True,
         tensor_parallel_size=tensor_parallel_size,
         tensor_parallel_timeout_s=timeout_s,
-        **kwargs,
+        **options,
     )
 
 
