@@ -1,8 +1,9 @@
 """The tensor-parallel engine (issue 27, `sits.runner.tp_executor`) on the CPU over gloo: with
 two ranks greedy tokens equal one rank's under chunked prefill, a prefix-cache hit and an
-abort on all five architectures, also with expert parallelism (whose expert counts equal one
-rank's); a worker killed mid-run fails the next step with `TensorParallelWorkerError` and the
-engine still shuts down; the flags and the misconfigurations are refused with the numbers.
+abort on all five architectures, under recompute preemption (as many as with one rank), and
+with expert parallelism (whose expert counts equal one rank's); a worker killed mid-run fails
+the next step with `TensorParallelWorkerError` and the engine still shuts down; the flags and
+the misconfigurations are refused with the numbers.
 
 Each engine of two ranks spawns one worker; every test shuts its engines down (joining the
 worker) in a finally, and `_no_worker_left` checks that no worker outlives its test.
@@ -140,6 +141,47 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, arch: str) -
     assert [len(tokens[r]) for r in ("p0", "p1", "p2")] == [MAX_TOKENS] * 3
     assert reasons["x"] is FinishReason.ABORT and len(tokens["x"]) < MAX_TOKENS
     assert cached["p2"] == 16  # p1's first block, from the prefix cache
+
+
+PREEMPT_BLOCKS = 8  # 7 usable; the four requests below need 15 together, 4 at most each
+
+
+def _greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_preemption_under_two_ranks_gives_one_ranks_greedy_tokens(tiny_model_factory) -> None:
+    """A KV cache of 8 blocks on every rank (TP=2 gives each rank half the bytes: half the
+    KV heads) for four requests that need 15: the scheduler preempts running requests and
+    recomputes them, as often with two ranks as with one, and the tokens are TP=1's."""
+    model_dir = tiny_model_factory("mixtral")
+    config = json.loads((model_dir / "config.json").read_text())
+    # one rank's float32 K and V of every layer for a block of 16 tokens, with all KV heads
+    block_bytes = 2 * config["num_hidden_layers"] * 16 * config["num_key_value_heads"] * 4
+    block_bytes *= config["head_dim"]
+    prompts = random_prompts([20, 30, 40, 25], config["vocab_size"], seed=4)
+    one = two = None
+    try:
+        one = _llm(model_dir, 1, max_num_batched_tokens=32,
+                   kv_cache_memory_bytes=PREEMPT_BLOCKS * block_bytes)  # fmt: skip
+        assert one.engine_core.runner.num_blocks == PREEMPT_BLOCKS
+        expected = _greedy_tokens(one, prompts, 24)
+        expected_preemptions = one.engine_core.scheduler.num_preemptions
+        one.shutdown()
+        two = _llm(model_dir, 2, max_num_batched_tokens=32,
+                   kv_cache_memory_bytes=PREEMPT_BLOCKS * block_bytes // 2)  # fmt: skip
+        assert two.engine_core.runner.num_blocks == PREEMPT_BLOCKS
+        got = _greedy_tokens(two, prompts, 24)
+        sched = two.engine_core.scheduler
+        preemptions, swaps = sched.num_preemptions, sched.swap_stats
+        assert sched.num_free_blocks == sched.num_total_blocks  # every block freed
+    finally:
+        _shutdown_all(one, two)
+    assert got == expected and all(len(tokens) == 24 for tokens in got)
+    assert preemptions == expected_preemptions and preemptions > 0
+    assert swaps.num_recompute_preemptions == preemptions and swaps.num_swap_preemptions == 0
 
 
 def _expert_counts(llm: LLM) -> list[list[int]]:
