@@ -1,17 +1,22 @@
-"""`-tp` on the command line (issue 27): `sits generate -tp 2` prints one rank's greedy text and
-joins its worker, `--help` of serve and generate lists the flag, and what is refused at start
-(a size below 1, --engine-process, --async-scheduling, a size the heads or vocabulary do not
-fit) prints one error line and exits 2, before any worker process starts.
+"""`-tp` on the command line (issue 27): `sits generate -tp 2` prints one rank's greedy text,
+joins its worker and exits without a resource tracker warning, `--help` of serve and generate
+lists the flag, and what is refused at start (a size below 1, --engine-process,
+--async-scheduling, a size the heads or vocabulary do not fit) prints one error line and
+exits 2, before any worker process starts.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 
 import pytest
 
 from sits.cli.main import main
+from tests.waits import HANG_S
 
 ENGINE = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes", "2097152"]
 
@@ -37,6 +42,24 @@ def test_generate_with_two_ranks_prints_one_ranks_greedy_text(tiny_model_factory
     got = _generate(model_dir, 2, capsys)  # its worker joined before main returned
     assert got == want
     assert len(want["token_ids"]) == 8 and want["finish_reason"] == "length"
+
+
+def test_generate_with_two_ranks_exits_without_a_resource_warning(tiny_model_factory) -> None:
+    """The process's whole exit, its resource tracker's included (the pipes close when the
+    tracker exits too): no "leaked semaphore" warning (the worker's tqdm lock is unlinked)."""
+    model_dir = tiny_model_factory("llama")
+    argv = ["generate", "--model", str(model_dir), "-tp", "2", *ENGINE]
+    argv += ["--prompt", "def fibonacci(n):", "--max-tokens", "2", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "sits.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.splitlines()[-1])["token_ids"]) == 2
+    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

@@ -43,6 +43,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -227,6 +228,11 @@ def run_worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # What multiprocessing runs when a process's target returns: its finalizers, among them the
+    # unlink of each named semaphore this process made (the loader's tqdm bar makes one, a
+    # lock, in a spawned process); without it the resource tracker warns at exit of a leaked
+    # semaphore and unlinks it itself.
+    multiprocessing.util._exit_function()
     logging.shutdown()
     # Nothing is left to flush: skip the interpreter's teardown (seconds with torch loaded),
     # so that rank 0's join is quick.
