@@ -125,6 +125,19 @@ class EngineConfig:
         tensor_parallel_timeout_s: seconds a collective between the ranks may wait (the
             gloo/NCCL timeout) before the step fails with `TensorParallelWorkerError`: a hung
             worker fails the engine within this time.
+        expert_router_policy: where expert parallelism puts the experts: "static" (the
+            default: rank r holds experts [r * E / N, (r + 1) * E / N)) or "load-aware"
+            (`sits.runner.expert_placement`: every expert_rebalance_interval steps the
+            placement is recomputed from the experts' recent token counts, hot experts
+            getting replicas on other ranks, between steps while requests keep running;
+            tokens unchanged). load-aware needs enable_expert_parallel with
+            tensor_parallel_size > 1.
+        num_redundant_experts: vLLM's EPLB name: extra expert slots per MoE layer over all
+            ranks (a multiple of tensor_parallel_size; (E + N) / size slots per rank), which
+            load-aware fills with replicas of the hottest experts; 0 (the default): the
+            placement only moves whole experts. Only with load-aware.
+        expert_rebalance_interval: steps between two re-placements (vLLM's EPLB step
+            interval; the window of counts each one reads), >= 1.
     """
 
     model: str
@@ -156,6 +169,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     tensor_parallel_timeout_s: float = 60.0
+    expert_router_policy: str = "static"
+    num_redundant_experts: int = 0
+    expert_rebalance_interval: int = 3000
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -217,6 +233,7 @@ class EngineConfig:
                 "cpu_offload_gb", f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}"
             )
         _check_tensor_parallel(self)
+        _check_expert_placement(self)
 
     def with_changes(self, **changes: object) -> EngineConfig:
         """A copy with some fields replaced (validated again)."""
@@ -262,6 +279,50 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
                 name,
                 f"{name} is not supported with tensor_parallel_size {size} yet (only with 1)",
             )
+
+
+EXPERT_ROUTER_POLICIES = ("static", "load-aware")
+
+
+def _check_expert_placement(config: EngineConfig) -> None:
+    """Refuse an unknown expert_router_policy, load-aware without expert parallelism over
+    several ranks, redundant experts without load-aware or not a multiple of the ranks, and
+    an interval below 1 step.
+
+    Raises:
+        InvalidParameterError: as said, naming the field and the numbers.
+    """
+    policy, size = config.expert_router_policy, config.tensor_parallel_size
+    num_redundant = config.num_redundant_experts
+    if policy not in EXPERT_ROUTER_POLICIES:
+        raise InvalidParameterError(
+            "expert_router_policy",
+            f"expert_router_policy must be one of {EXPERT_ROUTER_POLICIES}, got {policy!r}",
+        )
+    if config.expert_rebalance_interval < 1:
+        raise InvalidParameterError(
+            "expert_rebalance_interval",
+            f"expert_rebalance_interval must be >= 1 step, got {config.expert_rebalance_interval}",
+        )
+    if policy == "load-aware" and not (config.enable_expert_parallel and size > 1):
+        raise InvalidParameterError(
+            "expert_router_policy",
+            f"expert_router_policy 'load-aware' needs enable_expert_parallel with "
+            f"tensor_parallel_size > 1, got enable_expert_parallel="
+            f"{config.enable_expert_parallel} and tensor_parallel_size {size}",
+        )
+    if num_redundant < 0 or (num_redundant and policy != "load-aware"):
+        raise InvalidParameterError(
+            "num_redundant_experts",
+            f"num_redundant_experts must be >= 0 and needs expert_router_policy 'load-aware', "
+            f"got {num_redundant} with {policy!r}",
+        )
+    if num_redundant % size:
+        raise InvalidParameterError(
+            "num_redundant_experts",
+            f"num_redundant_experts {num_redundant} must be a multiple of the expert-parallel "
+            f"size (tensor_parallel_size {size})",
+        )
 
 
 def _check_precision_switch(scheme: str, quantization: str | None) -> None:

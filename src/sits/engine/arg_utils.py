@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from sits.config import EXPERT_ROUTER_POLICIES
+
 # The default of `--engine-step-timeout` (`AsyncLLM.step_timeout_s`, `hung_loop_error`); here, in
 # a module that imports nothing heavy, so `sits serve` reads it without loading the engine.
 ENGINE_STEP_TIMEOUT_S = 60.0  # as vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
@@ -154,6 +156,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "runs as without it",
     )
     parser.add_argument(
+        "--expert-router-policy",
+        choices=EXPERT_ROUTER_POLICIES,
+        default="static",
+        help="with --enable-expert-parallel and -tp N > 1: static (the default: E / N "
+        "experts per rank, fixed) or load-aware (every --expert-rebalance-interval steps the "
+        "placement is recomputed from the experts' recent token counts, hot experts get "
+        "replicas in the --num-redundant-experts slots; requests keep running)",
+    )
+    parser.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="load-aware: extra expert slots per MoE layer over all ranks, a multiple of -tp, "
+        "for replicas of hot experts (default 0: only whole experts move)",
+    )
+    parser.add_argument(
+        "--expert-rebalance-interval",
+        type=int,
+        default=3000,
+        help="load-aware: steps between two re-placements (default 3000)",
+    )
+    parser.add_argument(
         "--tensor-parallel-timeout",
         type=float,
         default=60.0,
@@ -206,4 +230,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "tensor_parallel_timeout_s": args.tensor_parallel_timeout,
+        "expert_router_policy": args.expert_router_policy,
+        "num_redundant_experts": args.num_redundant_experts,
+        "expert_rebalance_interval": args.expert_rebalance_interval,
     }
