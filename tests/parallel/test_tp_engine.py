@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,8 +222,9 @@ def test_expert_parallel_gives_one_ranks_greedy_tokens(tiny_model_factory) -> No
 
 
 def test_a_killed_worker_fails_the_next_step(tiny_model_factory) -> None:
-    """SIGKILL to the worker between steps: the next step raises TensorParallelWorkerError
-    naming the rank and its exit, every later step too, and shutdown still joins."""
+    """The worker is named sits-tp-rank1; SIGKILL to it between steps: the next step raises
+    TensorParallelWorkerError naming the rank and its exit, every later step too, and
+    shutdown still joins."""
     model_dir = tiny_model_factory("llama")
     llm = None
     try:
@@ -232,6 +234,8 @@ def test_a_killed_worker_fails_the_next_step(tiny_model_factory) -> None:
         _add(core, "r", list(range(1, 30)))
         core.step()
         (pid,) = runner.worker_pids
+        # its name in top and `ps -e` (set before the worker joined: the engine is built)
+        assert Path(f"/proc/{pid}/comm").read_text() == "sits-tp-rank1\n"
         os.kill(pid, signal.SIGKILL)
         assert wait_until(lambda: not runner.workers[0].process.is_alive())
         start_s = time.monotonic()

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing.util
 import os
 import pickle
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +79,7 @@ _START_POLL_S = 0.01  # the start's poll of the store and the workers' processes
 START_TIMEOUT_S = 900.0
 _BLOCKS_KEY = "sits/num_blocks"
 _JOIN_S = 30.0  # a stopped worker exits within this; longer = killed
+_PR_SET_NAME = 15  # prctl(2) option: set the calling thread's name
 
 SPAWN_HINT = (
     "workers are spawned and re-import the main module, so a script must build the engine "
@@ -148,6 +151,12 @@ class _Group:
     control: Any
 
 
+def worker_title(rank: int) -> str:
+    """The name of rank `rank`'s worker: its process title in ps and top, and its
+    multiprocessing name ("sits-tp-rank1")."""
+    return f"sits-tp-rank{rank}"
+
+
 def _started_key(rank: int) -> str:
     """The store key a worker sets once it runs (`TensorParallelRunner._wait_for`)."""
     return f"sits/started/{rank}"
@@ -183,6 +192,21 @@ def _receive_plan(group: _Group) -> StepPlan:
     return pickle.loads(payload.numpy().tobytes())
 
 
+def name_process(title: str) -> None:
+    """Name this process `title` in ps and top: the kernel's name of the calling thread on
+    Linux (prctl PR_SET_NAME, at most 15 bytes: /proc/PID/comm, what top and `ps -e` show;
+    call from the main thread) and, when the setproctitle package is installed, its command
+    line (`ps aux`). Never raises: what fails keeps the old name."""
+    with contextlib.suppress(Exception):  # not installed, or it failed: the name only
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no libc or no prctl in it
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
+
+
 def run_worker(
     conn: Connection,
     config: EngineConfig,
@@ -196,8 +220,10 @@ def run_worker(
     then run each plan rank 0 sends until `_STOP` or rank 0's end of `conn` closes. A
     failure is sent to rank 0 as text over `conn`, and the exit code is 1.
 
-    It ignores SIGINT and SIGTERM, as the engine process does: rank 0 owns shutdown.
+    It names itself `worker_title(rank)` ("sits-tp-rank1", `name_process`) and ignores SIGINT
+    and SIGTERM, as the engine process does: rank 0 owns shutdown.
     """
+    name_process(worker_title(rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
@@ -324,7 +350,7 @@ class TensorParallelRunner(ModelRunner):
                     torch.get_num_threads(),
                     log_level,
                 ),
-                name=f"sits-tp-rank{rank}",
+                name=worker_title(rank),
                 daemon=True,
             )
             process.start()
