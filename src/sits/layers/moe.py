@@ -40,6 +40,13 @@ Invariants:
   ranks of its experts is the later optimisation). A rank raises the non-finite flags of its
   own experts only; the all-reduce ORs them, so load and health stay identical on every
   rank, over all E logical experts.
+- Replicated experts (`enable_replicas`, `--expert-router-policy load-aware`): the
+  expert-parallel rank then holds S = (E + N) / size slots and `replicas()`
+  (`layers.expert_replicas`) says which logical expert each slot holds, hot experts in
+  several slots across the ranks; the experts' compute reads `ExpertReplicas.map_ids(topk_ids)`
+  instead of the contiguous shard's ids, and its per-slot non-finite flags are folded back to
+  logical ids. Every pair is still computed on exactly one rank, so the all-reduce is
+  unchanged; without replicas (the static policy) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -53,10 +60,12 @@ from torch import Tensor, nn
 from sits.core.errors import InvalidParameterError
 from sits.kernels.moe_ref import TorchMoe
 from sits.kernels.triton_utils import has_triton
+from sits.layers.expert_replicas import ExpertReplicas
 from sits.layers.expert_slots import ExpertSlots
 from sits.layers.linear import Shard
 from sits.layers.moe_stats import ExpertState
 from sits.parallel import SINGLE, TensorParallel
+from sits.parallel.placement import contiguous_placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +123,9 @@ class SparseMoeBlock(nn.Module):
         intermediate_size: this rank's expert width I (config.intermediate_size / tp.size;
             all of it with expert parallelism).
         inter_shard: the intermediate indices of the checkpoint's experts this rank holds.
-        expert_shard: the logical experts this rank holds (all of them without expert
-            parallelism); expert e sits in local slot e - expert_shard.start.
+        expert_shard: the logical experts this rank loads (all of them without expert
+            parallelism); expert e sits in local slot e - expert_shard.start, until
+            `enable_replicas` hands the slots to a placement.
         tp: the tensor-parallel group (`tp.expert_parallel`: shard by whole experts).
         moe_backend: where routing and experts run.
         num_spare_experts: spare physical slots (0 = none, no routing table).
@@ -157,6 +167,7 @@ class SparseMoeBlock(nn.Module):
         self._kernels_fit: bool | None = None  # looked up once, at the first CUDA forward
         self.num_spare_experts = 0
         self._expert_slots: ExpertSlots | None = None
+        self._replicas: ExpertReplicas | None = None
         self.add_spare_slots(num_spare_experts)
 
     def add_spare_slots(self, num_spare: int) -> None:
@@ -190,6 +201,48 @@ class SparseMoeBlock(nn.Module):
         self.num_spare_experts = num_spare
         if hasattr(self.moe_backend, "tuned_num_experts"):  # tuned launch configs are per E
             self.moe_backend.tuned_num_experts = num_experts
+
+    def enable_replicas(self, num_redundant: int) -> ExpertReplicas:
+        """Hand this expert-parallel rank's slots to a placement (`layers.expert_replicas`):
+        grow w13 / w2 on their device to S = (E + num_redundant) / size slots (the new ones
+        zero) and start from the contiguous placement (the loaded experts where they are,
+        the new slots empty). Call once, after the weights are loaded, before a forward.
+
+        Returns:
+            The layer's replica tables (also `replicas()`).
+
+        Raises:
+            InvalidParameterError: the block is not expert parallel, or num_redundant is
+                negative or not a multiple of the expert-parallel size.
+        """
+        size, num_experts = self.tp.size, self.config.num_experts
+        if self.expert_shard.is_whole:
+            raise InvalidParameterError(
+                "expert_router_policy", "replicated experts need expert parallelism"
+            )
+        if num_redundant < 0 or num_redundant % size:
+            raise InvalidParameterError(
+                "num_redundant_experts",
+                f"num_redundant_experts must be a multiple of the expert-parallel size {size} "
+                f"and >= 0, got {num_redundant}",
+            )
+        assert self._replicas is None, "replicas enabled twice"
+        num_slots = (num_experts + num_redundant) // size
+        with torch.no_grad():
+            for name in ("w13", "w2"):
+                old = getattr(self, name)
+                new = old.new_zeros((num_slots, *old.shape[1:]))  # [S, ...]
+                new[: old.shape[0]].copy_(old)
+                setattr(self, name, nn.Parameter(new, requires_grad=False))
+        placement = contiguous_placement(num_experts, size, num_slots)
+        self._replicas = ExpertReplicas.of(
+            placement, self.tp.rank, 1 + num_redundant, self.w13.device
+        )
+        return self._replicas
+
+    def replicas(self) -> ExpertReplicas | None:
+        """The layer's replica tables (`enable_replicas`), or None (static placement)."""
+        return self._replicas
 
     def expert_slots(self) -> ExpertSlots | None:
         """The layer's logical -> physical slot table (made on the weights' device at first
@@ -268,7 +321,18 @@ class SparseMoeBlock(nn.Module):
         non-finite flags folded into `state.anomalous` by logical id -> [T, hidden_size],
         summed (and the flags OR-ed) over the tensor-parallel ranks."""
         slots = self.expert_slots()
-        if not self.expert_shard.is_whole:
+        replicas = self._replicas
+        if replicas is not None:
+            out = self.moe_backend.experts(
+                hidden,
+                self.w13,
+                self.w2,
+                topk_weights,
+                replicas.map_ids(topk_ids),
+                replicas.nonfinite,
+            )  # [num_tokens, hidden_size], this rank's replicas' partial sum
+            replicas.fold_nonfinite(state.anomalous)
+        elif not self.expert_shard.is_whole:
             out = self._run_local_experts(hidden, topk_weights, topk_ids, state.anomalous)
         elif slots is None:
             out = self.moe_backend.experts(
@@ -365,4 +429,6 @@ class SparseMoeBlock(nn.Module):
         spares = f", num_spare_experts={self.num_spare_experts}" if self.num_spare_experts else ""
         shard = self.expert_shard
         experts = "" if shard.is_whole else f", experts=[{shard.start}, {shard.stop})"
+        if self._replicas is not None:
+            experts = f", replicated experts in {self.w13.shape[0]} slots"
         return f"{self.config}{spares}{experts}"
