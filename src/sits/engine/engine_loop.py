@@ -370,6 +370,7 @@ class EngineDriver:
             model_dir=info.model_dir,
             auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
             twins=[m for m in runner.models.values() if m is not runner.model],
+            placement=getattr(runner, "expert_placer", None),
         )
         self.experts = monitor if monitor.blocks else None
         self.expert_stats: ExpertStats | None = None

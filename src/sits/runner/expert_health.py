@@ -12,6 +12,8 @@ Invariants:
 - With `auto_restore`, `read` restores each expert the health check froze since the previous
   read (once; a failed reload is logged and the expert stays frozen): the engine thread calls
   `read` every few steps, so the reload runs between steps without a per-step host sync.
+- With the load-aware expert placement (`placement`, `runner.expert_placement`) each read
+  also carries its figures (`ExpertStats.placement`), read on the host with no device sync.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sits.core.errors import InvalidParameterError
 from sits.layers.moe import SparseMoeBlock
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertState
 from sits.layers.quant.fill import quantize_experts_
+from sits.runner.expert_placement import ExpertPlacer, PlacementStats
 from sits.runner.expert_restore import restore_expert, restore_expert_into_spare
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class ExpertStats:
         num_steps: engine steps when read (-1 when unknown).
         num_spare_experts: spare weight slots per MoE layer (0 = none).
         num_spare_restores: of `num_restores`, those into a spare slot.
+        placement: the load-aware expert placement's figures, or None (static policy).
     """
 
     layers: tuple[ExpertLayerStats, ...] = ()
@@ -81,6 +85,7 @@ class ExpertStats:
     num_steps: int = -1
     num_spare_experts: int = 0
     num_spare_restores: int = 0
+    placement: PlacementStats | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the body of GET /v1/admin/experts)."""
@@ -105,6 +110,7 @@ class ExpertStats:
                 }
                 for layer in self.layers
             ],
+            "placement": self.placement.to_json() if self.placement is not None else None,
         }
 
 
@@ -128,6 +134,8 @@ class ExpertMonitor:
         twin_blocks: decoder layer id -> the same layer's quantized MoE block in each other
             resident weight set (the precision switch's twin); `restore` re-quantizes the
             restored expert into them, so both sets hold the checkpoint's expert again.
+        placement: the runner's load-aware `ExpertPlacer` (its `stats()` go in each read),
+            or None.
 
     Attributes:
         newly_frozen: (layer, expert) frozen by the health check since the previous `read`.
@@ -146,6 +154,7 @@ class ExpertMonitor:
         model_dir: str | None = None,
         auto_restore: bool = False,
         twin_blocks: Mapping[int, Sequence[nn.Module]] | None = None,
+        placement: ExpertPlacer | None = None,
     ):
         if freeze_after < 0:
             raise InvalidParameterError("freeze_after", f"must be >= 0, got {freeze_after}")
@@ -156,6 +165,7 @@ class ExpertMonitor:
         self.freeze_after = freeze_after
         self.model_dir = model_dir
         self.auto_restore = auto_restore
+        self.placement = placement
         self.num_auto_freezes = 0
         self.num_restores = 0
         self.num_spare_restores = 0
@@ -174,9 +184,11 @@ class ExpertMonitor:
         model_dir: str | None = None,
         auto_restore: bool = False,
         twins: Sequence[nn.Module] = (),
+        placement: ExpertPlacer | None = None,
     ) -> ExpertMonitor:
         """The monitor of every `SparseMoeBlock` in `model.model.layers` (may be empty);
-        `twins`: the other resident weight sets of the same model (see `twin_blocks`)."""
+        `twins`: the other resident weight sets of the same model (see `twin_blocks`);
+        `placement`: as the constructor's."""
         blocks = _moe_blocks(model)
         twin_blocks = {
             layer_id: [_moe_blocks(twin)[layer_id] for twin in twins] for layer_id in blocks
@@ -187,6 +199,7 @@ class ExpertMonitor:
             model_dir=model_dir,
             auto_restore=auto_restore,
             twin_blocks=twin_blocks,
+            placement=placement,
         )
 
     @property
@@ -268,6 +281,7 @@ class ExpertMonitor:
             num_steps=num_steps,
             num_spare_experts=self.num_spare_experts,
             num_spare_restores=self.num_spare_restores,
+            placement=self.placement.stats() if self.placement is not None else None,
         )
 
     def _state(self, layer_id: int, expert_id: int) -> ExpertState:

@@ -10,9 +10,8 @@ On CUDA with Triton the attention (and, when available, the MoE) run as Triton k
 pure decode step replays a captured CUDA graph padded to the next captured batch size (unless
 `enforce_eager`); with `mixed_step_cuda_graphs` (the default) a step with prompt chunks replays
 the graph of its token bucket; everything else (the CPU, steps over the largest bucket) runs
-eagerly. On CUDA
-the setup first runs eager dummy steps of every prefill shape class (`runner.warmup`), so no
-live step waits for a Triton compile.
+eagerly. On CUDA the setup first runs eager dummy steps of every prefill shape class
+(`runner.warmup`), so no live step waits for a Triton compile.
 
 With `precision_switch` the runner holds two weight sets (`runner.precision`): `models` maps
 each name to its model, each with its own warm-up and CUDA graphs over the one KV cache;
@@ -61,7 +60,7 @@ from sits.runner.cuda_graphs import (
     graph_batch_sizes,
     mixed_token_buckets,
 )
-from sits.runner.expert_health import ExpertMonitor
+from sits.runner.expert_placement import prepare_moe_layers
 from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
@@ -125,6 +124,7 @@ class ModelRunner:
             the forward's inputs, up to its launch), "shadow" (the caller's `while_gpu_runs`)
             and "sync" (waiting for the forward, then sampling).
         num_rows_run: token rows the forwards ran, cumulative, CUDA-graph padding included.
+        expert_placer: load-aware expert placement (`runner.expert_placement`), or None.
     """
 
     def __init__(
@@ -153,8 +153,7 @@ class ModelRunner:
             tp=TensorParallel(rank, config.tensor_parallel_size, config.enable_expert_parallel),
         )
         self.model.eval()
-        if config.tensor_parallel_size > 1:  # ranks route alike: no rank freezes on its own
-            ExpertMonitor.of_model(self.model, freeze_after=0)
+        self.expert_placer = prepare_moe_layers(self.model, config, rank)
         arch = self.model.arch
         self.kv_cache_dtype = config.kv_cache_dtype
         bytes_per_block = kv_bytes_per_block(
@@ -293,8 +292,7 @@ class ModelRunner:
     ) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
         """One weight set's (decode graphs, mixed-step graphs), each None when not captured
         (`enforce_eager`, more than one rank, a model or backend that is not graph safe,
-        mixed graphs off);
-        captured into `pools` (decode, mixed; None: new ones)."""
+        mixed graphs off); captured into `pools` (decode, mixed; None: new ones)."""
         if (
             config.enforce_eager
             or config.tensor_parallel_size > 1
@@ -357,6 +355,8 @@ class ModelRunner:
         result = StepResult()
         if plan.is_empty:
             return result
+        if self.expert_placer is not None:  # every rank runs every plan: all check alike
+            self.expert_placer.before_step()
         hidden, last_indices = self._forward(plan)  # [num_tokens (+ padding), hidden]
         self.num_rows_run += hidden.shape[0]
         launched_s = time.monotonic()
