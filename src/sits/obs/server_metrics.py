@@ -19,6 +19,10 @@ the model's layers x experts. Restores from the checkpoint: `sits:moe_expert_res
 and, of those, `sits:moe_expert_spare_restores_total` (into a spare slot); with spare expert
 slots also `sits:moe_spare_slots{layer,state}`: state "free" = slots ready for the next
 restore, "used" = experts served from a spare slot (restored away from their load-time slot).
+With the load-aware expert placement (`--expert-router-policy load-aware`):
+`sits:moe_expert_placement_imbalance{when}` (when "before" / "after": the last re-placement's
+max over mean rank load, on its window's tokens, of the old and the new placement) and
+`sits:moe_expert_replacements_total`.
 The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SLO counters
 (`sits.obs.tenant_metrics`), when the recorder is given the tenant.
 Also as vLLM: per request, prefill time (first token - first scheduled), decode time (last
@@ -240,6 +244,31 @@ def _expert_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | C
     alerts.add_metric([model_name], float(experts.num_auto_freezes))
     yield from (tokens, anomalous, frozen, imbalance, alerts)
     yield from _spare_families(experts, model_name)
+    yield from _placement_families(experts, model_name)
+
+
+def _placement_families(
+    experts, model_name: str
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The load-aware expert placement's figures; nothing with the static policy."""
+    placement = getattr(experts, "placement", None)
+    if placement is None:
+        return
+    imbalance = GaugeMetricFamily(
+        "sits:moe_expert_placement_imbalance",
+        "Max over mean rank load of the MoE experts at the last re-placement, on its window's "
+        "tokens: before (the old placement) and after (the new one).",
+        labels=["model_name", "when"],
+    )
+    imbalance.add_metric([model_name, "before"], placement.imbalance_before)
+    imbalance.add_metric([model_name, "after"], placement.imbalance_after)
+    replacements = CounterMetricFamily(
+        "sits:moe_expert_replacements",
+        "Re-placements of the MoE experts on the expert-parallel ranks.",
+        labels=["model_name"],
+    )
+    replacements.add_metric([model_name], float(placement.num_replacements))
+    yield from (imbalance, replacements)
 
 
 def _spare_families(experts, model_name: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
