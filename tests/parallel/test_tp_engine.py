@@ -12,6 +12,7 @@ worker) in a finally, and `_no_worker_left` checks that no worker outlives its t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from sits.core.request import FinishReason
 from sits.engine.arg_utils import engine_kwargs
 from sits.engine.output_processor import make_engine_requests
 from sits.layers.moe import SparseMoeBlock
+from sits.parallel.topology import RankBinding
 from sits.runner.expert_health import ExpertMonitor
 from sits.runner.tp_executor import TensorParallelRunner, check_devices
 from tests.conftest import ARCHS
@@ -114,8 +116,10 @@ def _shutdown_all(*llms: LLM | None) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, arch: str) -> None:
-    """Chunked prefill (8-token budget), a prefix-cache hit and an abort: TP=2 equals TP=1."""
+def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, caplog, arch: str) -> None:
+    """Chunked prefill (8-token budget), a prefix-cache hit and an abort: TP=2 equals TP=1.
+    On the CPU the ranks are placed without a GPU topology and bound to no cores (one log
+    line)."""
     model_dir = tiny_model_factory(arch)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     p0, p1, tail, x = random_prompts([5, 23, 12, 19], vocab, seed=3)
@@ -127,8 +131,14 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tiny_model_factory, arch: str) -
         one_blocks = one.engine_core.scheduler.num_total_blocks
         assert one.engine_core.scheduler.num_free_blocks == one_blocks  # every block freed
         one.shutdown()
-        two = _llm(model_dir, 2)
+        with caplog.at_level(logging.INFO, logger="sits.parallel.topology"):
+            two = _llm(model_dir, 2)
         assert isinstance(two.engine_core.runner, TensorParallelRunner)
+        placed = [r.getMessage() for r in caplog.records if r.name == "sits.parallel.topology"]
+        assert placed == [
+            "tensor parallel on the CPU: no GPU topology, ranks are not bound to cores"
+        ]
+        assert two.engine_core.runner.bindings == [RankBinding(None)] * 2
         got = _scenario(two, prompts)
         two_blocks = two.engine_core.scheduler.num_total_blocks
         assert two.engine_core.scheduler.num_free_blocks == two_blocks

@@ -3,8 +3,11 @@
 `make_runner` gives the engine its runner: a plain `ModelRunner` with one rank, else a
 `TensorParallelRunner`, which is rank 0's `ModelRunner` (the engine reads its model, KV
 cache size and counters as with one device) and owns N - 1 worker processes (the "spawn"
-context of torch.multiprocessing, `run_worker`). Every rank joins the default process group
-(gloo on a CPU; NCCL on CUDA, rank r on cuda:r, with a gloo group beside it for the step
+context of torch.multiprocessing, `run_worker`). First rank 0 places the ranks
+(`sits.parallel.topology.plan_ranks`: on CUDA each rank's GPU in the order of the driver's
+NVLink/PCIe topology, from rank 0's device on, and its GPU's CPUs, to which every rank's
+process binds itself; on the CPU nothing, one log line says so). Every rank joins the default
+process group (gloo on a CPU; NCCL on CUDA, with a gloo group beside it for the step
 messages) over a TCPStore rank 0 hosts on 127.0.0.1 (port picked by the OS), builds its
 `ModelRunner` for its rank, and takes the smallest KV block count of all ranks (exchanged
 through the store: rank 0 waits for the workers' loads, however long, as long as they live,
@@ -65,6 +68,7 @@ from sits.core.errors import InvalidParameterError, TensorParallelWorkerError
 from sits.core.plan import StepPlan, StepResult
 from sits.models.loader import build_meta_model
 from sits.parallel import TensorParallel
+from sits.parallel.topology import RankBinding, bind_process, plan_ranks
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import ModelRunner
 
@@ -212,13 +216,15 @@ def run_worker(
     config: EngineConfig,
     info: ModelInfo,
     rank: int,
+    binding: RankBinding,
     store_port: int,
     num_threads: int,
     log_level: int,
 ) -> None:
-    """Worker process entry (rank >= 1): join the group, build this rank's `ModelRunner`,
-    then run each plan rank 0 sends until `_STOP` or rank 0's end of `conn` closes. A
-    failure is sent to rank 0 as text over `conn`, and the exit code is 1.
+    """Worker process entry (rank >= 1): bind to the CPUs of `binding` (`bind_process`), join
+    the group, build this rank's `ModelRunner` (on CUDA on cuda:`binding.device_index`), then
+    run each plan rank 0 sends until `_STOP` or rank 0's end of `conn` closes. A failure is
+    sent to rank 0 as text over `conn`, and the exit code is 1.
 
     It names itself `worker_title(rank)` ("sits-tp-rank1", `name_process`) and ignores SIGINT
     and SIGTERM, as the engine process does: rank 0 owns shutdown.
@@ -228,12 +234,14 @@ def run_worker(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     logging.getLogger("sits").setLevel(log_level)
+    bind_process(binding, rank)  # before torch starts its threads, which inherit it
     torch.set_num_threads(num_threads)
     exit_code = 0
     try:
         if info.device.type == "cuda":
-            torch.cuda.set_device(rank)
-            info = dataclasses.replace(info, device=torch.device("cuda", rank))
+            assert binding.device_index is not None, "plan_ranks gives every CUDA rank a device"
+            torch.cuda.set_device(binding.device_index)
+            info = dataclasses.replace(info, device=torch.device("cuda", binding.device_index))
         size = config.tensor_parallel_size
         timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
         store = dist.TCPStore(_HOST, store_port, size, is_master=False, timeout=timeout)
@@ -292,6 +300,7 @@ class TensorParallelRunner(ModelRunner):
     Attributes:
         workers: the live worker processes (empty after `shutdown`).
         failure: why the ranks can no longer step, or None.
+        bindings: each rank's device and CPUs (`sits.parallel.topology.plan_ranks`).
 
     Raises:
         InvalidParameterError: more ranks than CUDA devices, or torch.distributed already
@@ -313,12 +322,14 @@ class TensorParallelRunner(ModelRunner):
             )
         self.workers: list[_Worker] = []
         self.failure: TensorParallelWorkerError | None = None
+        self.bindings = plan_ranks(size, info.device)
+        bind_process(self.bindings[0], 0)
         timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
         self._store = dist.TCPStore(
             _HOST, 0, size, is_master=True, timeout=timeout, wait_for_workers=False
         )
         try:
-            self._start_workers(config, info, self._store.port)
+            self._start_workers(config, info, self.bindings, self._store.port)
             self._wait_for([_started_key(w.rank) for w in self.workers])
             self._group = _join_group(self._store, 0, config, info.device)
             super().__init__(config, info, warm_up, rank=0, agree_num_blocks=self._agree_blocks)
@@ -334,7 +345,9 @@ class TensorParallelRunner(ModelRunner):
         atexit.register(self.shutdown)
         logger.info("tensor parallel: %d ranks (workers: pids %s)", size, self.worker_pids)
 
-    def _start_workers(self, config: EngineConfig, info: ModelInfo, store_port: int) -> None:
+    def _start_workers(
+        self, config: EngineConfig, info: ModelInfo, bindings: list[RankBinding], store_port: int
+    ) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         log_level = logging.getLogger("sits").getEffectiveLevel()
         for rank in range(1, config.tensor_parallel_size):
@@ -346,6 +359,7 @@ class TensorParallelRunner(ModelRunner):
                     config,
                     info,
                     rank,
+                    bindings[rank],
                     store_port,
                     torch.get_num_threads(),
                     log_level,
