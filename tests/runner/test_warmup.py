@@ -7,16 +7,27 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from sits import LLM, SamplingParams
+from sits.kernels.attention_ref import TorchPagedAttention
 from sits.kernels.kv_quant_ref import QuantizedKVCache
+from sits.models.loader import load_model
+from sits.parallel import TensorParallel
 from sits.runner import tp_executor as tp_executor_module
 from sits.runner.expert_health import ExpertMonitor
+from sits.runner.input_buffers import InputBuffers
+from sits.runner.kv_cache_alloc import allocate_kv_caches
 from sits.runner.model_runner import ModelRunner
-from sits.runner.warmup import decode_split_counts, warm_up_kernels, warmup_token_counts
+from sits.runner.warmup import (
+    decode_split_counts,
+    local_num_heads,
+    warm_up_kernels,
+    warmup_token_counts,
+)
 from tests.engine.hf_reference import random_prompts
 
 # Budget 64 (max_num_seqs 8 keeps InputBuffers.max_num_tokens at 64), 128-token sequences.
@@ -149,6 +160,69 @@ def test_greedy_outputs_equal_an_engine_without_warm_up(
     assert _outputs(warmed, prompts) == _outputs(plain, prompts)
     assert _expert_counts(warmed) == _expert_counts(plain)
     assert kv.stats == plain.engine_core.scheduler.kv.stats  # same prefix-cache hits
+
+
+@dataclass(frozen=True, slots=True)
+class _AloneRank(TensorParallel):
+    """Rank 0 of 2 whose collectives stay in this process (the sum is its own part, the
+    gather its part repeated): a real rank's shapes in every layer, not its values."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=dim)
+
+
+@dataclass(frozen=True, slots=True)
+class _SplitConfig:
+    decode_num_splits: int | None = None
+    decode_max_splits: int = 8
+
+
+class _SplitSpy:
+    """A backend with a Triton-like split config: records each instance's split count and
+    the query heads its forwards see, and attends with the PyTorch reference."""
+
+    made: list[int | None] = []
+    query_heads: set[int] = set()
+
+    def __init__(self, config: _SplitConfig) -> None:
+        self.config = config
+        _SplitSpy.made.append(config.decode_num_splits)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale):
+        _SplitSpy.query_heads.add(query.shape[1])
+        return TorchPagedAttention().forward(query, key, value, kv_cache, metadata, scale)
+
+
+def test_tensor_parallel_warm_up_uses_the_ranks_heads(tiny_model_factory) -> None:
+    """Rank 0 of 2 of a 4-head model runs 2 heads: the mixed steps cover the split classes
+    of 2 heads ([1, 2, 3, 5, 8] up to 8 splits), not of the checkpoint's 4 ([1, 2, 3, 4, 5,
+    8]), and the KV heads of its cache are the rank's one."""
+    model_dir = tiny_model_factory("llama")
+    tp = _AloneRank(rank=0, size=2)
+    model = load_model(str(model_dir), dtype=torch.float32, device="cpu", tp=tp).eval()
+    assert (model.config.attention.num_heads, local_num_heads(model)) == (4, 2)
+    arch = model.arch
+    buffers = InputBuffers(
+        max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8, block_size=16,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    kv_caches = allocate_kv_caches(
+        arch.num_layers, 8, 16, arch.num_kv_heads, arch.head_dim, torch.float32,
+        torch.device("cpu"),
+    )  # fmt: skip
+    assert kv_caches[0].shape[3] == 1  # 2 KV heads over 2 ranks
+    _SplitSpy.made.clear()
+    _SplitSpy.query_heads.clear()
+    report = warm_up_kernels(
+        model, buffers, kv_caches, _SplitSpy(_SplitConfig()), max_model_len=128
+    )
+    assert decode_split_counts(8, 2) == [1, 2, 3, 5, 8] != decode_split_counts(8, 4)
+    assert _SplitSpy.made == [None, 1, 2, 3, 5, 8]  # the runner's backend, then one per class
+    assert _SplitSpy.query_heads == {2}
+    assert report.token_counts == (*warmup_token_counts(16), *[MIXED_TOKENS] * 5)
 
 
 @pytest.mark.gpu

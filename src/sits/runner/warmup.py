@@ -26,8 +26,9 @@ two, and costs microseconds); B itself and, when B is not a power of two, a toke
 other divisibility class in B's bucket. B = 8192 gives 26 steps, B = 2048 gives 22, B = 64
 gives 12. Then a few tiny mixed steps (a 15-token prompt chunk and a decode sharing its
 blocks): one per decode split class when the attention backend has a `config` with
-`decode_num_splits` (Triton: 8 steps for 32 query heads), else one. Counts above 8192 need
-no more steps: every key above the largest takes the largest config, and the large-step
+`decode_num_splits` (Triton: 8 steps for 32 query heads), else one; the classes are those of
+the heads the kernels see, this tensor-parallel rank's (`local_num_heads`). Counts above 8192
+need no more steps: every key above the largest takes the largest config, and the large-step
 alignment path has no token-count constexpr.
 
 Invariants (the warm-up leaves no trace):
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 
 from sits.core.plan import ScheduledRequest, StepPlan
 from sits.kernels.kv_quant_ref import QuantizedKVCache
+from sits.layers.attention import Attention
 from sits.layers.forward_context import AttentionBackend, ForwardContext
 from sits.layers.moe import SparseMoeBlock
 from sits.runner.input_buffers import InputBuffers
@@ -132,6 +134,19 @@ def decode_split_counts(max_splits: int, num_heads: int) -> list[int]:
         )
         chosen.setdefault(key, splits)
     return sorted(chosen.values())
+
+
+def local_num_heads(model: nn.Module) -> int:
+    """Query heads of each attention layer on this tensor-parallel rank: what the attention
+    kernels see (the checkpoint's heads / tensor_parallel_size; all of them with one rank).
+
+    Raises:
+        ValueError: the model has no `Attention` layer.
+    """
+    for module in model.modules():
+        if isinstance(module, Attention):
+            return module.num_heads
+    raise ValueError("the model has no attention layer")
 
 
 def _num_blocks(kv_cache: Tensor | QuantizedKVCache) -> int:
@@ -254,8 +269,8 @@ def warm_up_kernels(
     blocks 1 .. num_blocks - 1.
 
     Args:
-        model: the decoder (forward(input_ids, positions, ctx) -> [T, hidden];
-            compute_logits; `arch.vocab_size`; `config.attention.num_heads`).
+        model: the decoder, this rank's shard (forward(input_ids, positions, ctx) ->
+            [T, hidden]; compute_logits; `arch.vocab_size`; its `Attention` layers' heads).
         buffers: the runner's persistent inputs (rewritten by every step anyway).
         kv_caches: one cache per layer (plain tensors or `QuantizedKVCache`s).
         attn_backend: the runner's attention backend.
@@ -285,8 +300,8 @@ def warm_up_kernels(
         steps.append((plan, attn_backend))
     mixed = builder.mixed(budget)
     if mixed is not None:
-        num_heads = model.config.attention.num_heads
-        steps += [(mixed, backend) for backend in _mixed_backends(attn_backend, num_heads)]
+        backends = _mixed_backends(attn_backend, local_num_heads(model))
+        steps += [(mixed, backend) for backend in backends]
     token_counts = []
     for plan, backend in steps:
         inputs = buffers.prepare(plan)
