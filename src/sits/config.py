@@ -112,9 +112,11 @@ class EngineConfig:
         tensor_parallel_size: ranks the model runs on (vLLM's `--tensor-parallel-size`):
             1 (the default) = this process alone; N > 1 = this process is rank 0 (it
             schedules) and N - 1 worker processes run every step with it
-            (`sits.runner.tp_executor`): gloo on a CPU, NCCL on CUDA devices cuda:0..N-1.
-            With N > 1, async_scheduling, precision_switch and num_spare_experts are refused
-            and CUDA graphs are not captured (every step runs eagerly).
+            (`sits.runner.tp_executor`): gloo on a CPU, NCCL on N CUDA devices from rank 0's
+            on, ordered and CPU-bound by the GPU topology (`sits.parallel.topology`).
+            With N > 1, precision_switch, num_spare_experts, and async_scheduling with
+            expert_router_policy "load-aware" are refused and CUDA graphs are not captured
+            (every step runs eagerly).
         enable_expert_parallel: vLLM's `--enable-expert-parallel`: with tensor_parallel_size
             N, every MoE layer places its experts whole on the ranks (rank r holds experts
             [r * E / N, (r + 1) * E / N); N must divide E, refused at load with the numbers)
@@ -268,8 +270,13 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
         )
     if size == 1:
         return
+    if config.async_scheduling and config.expert_router_policy == "load-aware":
+        raise InvalidParameterError(
+            "async_scheduling",
+            "async_scheduling is not supported with expert_router_policy 'load-aware' yet "
+            "(experts are re-placed before synchronous steps only)",
+        )
     refused = {
-        "async_scheduling": config.async_scheduling,
         "precision_switch": config.precision_switch is not None,
         "num_spare_experts": config.num_spare_experts > 0,
     }

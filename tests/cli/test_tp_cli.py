@@ -1,8 +1,8 @@
 """`-tp` on the command line (issue 27): `sits generate -tp 2` prints one rank's greedy text,
 joins its worker and exits without a resource tracker warning, `--help` of serve and generate
 lists the flag, and what is refused at start (a size below 1, --engine-process,
---async-scheduling, a size the heads or vocabulary do not fit) prints one error line and
-exits 2, before any worker process starts.
+--async-scheduling with load-aware expert placement, a size the heads or vocabulary do not
+fit) prints one error line and exits 2, before any worker process starts.
 """
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ def test_help_lists_the_tensor_parallel_flag(command: str, capsys) -> None:
     ("flags", "overrides", "message"),
     [
         (["-tp", "0"], {}, "--tensor-parallel-size: tensor_parallel_size must be >= 1, got 0"),
-        (["-tp", "2", "--async-scheduling"], {}, "argument --async-scheduling: async_scheduling"),
+        (["-tp", "2", "--async-scheduling", "--enable-expert-parallel",
+          "--expert-router-policy", "load-aware"], {},
+         "argument --async-scheduling: async_scheduling is not supported with "
+         "expert_router_policy 'load-aware'"),
         # 4 heads, 2 KV heads, vocabulary 513: 3 fits none, 2 all but the vocabulary
         (["-tp", "3"], {}, "tensor parallel size 3 does not divide"),
         (["-tp", "2"], {"vocab_size": 513}, "size 2 does not divide vocab_size (513)"),

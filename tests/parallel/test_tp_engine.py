@@ -195,6 +195,39 @@ def test_preemption_under_two_ranks_gives_one_ranks_greedy_tokens(tiny_model_fac
     assert swaps.num_recompute_preemptions == preemptions and swaps.num_swap_preemptions == 0
 
 
+def test_async_scheduling_under_two_ranks_gives_one_ranks_greedy_tokens(tiny_model_factory):
+    """--async-scheduling with two ranks: rank 0 launches step N+1 before it collects N (the
+    workers fill N+1's placeholders from their own step N), chunked prefill included; the
+    greedy tokens are TP=1's synchronous ones."""
+    model_dir = tiny_model_factory("qwen3_moe")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts([5, 23, 12, 19], vocab, seed=6)
+    one = two = None
+    try:
+        one = _llm(model_dir, 1)
+        expected = _greedy_tokens(one, prompts, 12)
+        one.shutdown()
+        two = _llm(model_dir, 2, async_scheduling=True)
+        runner = two.engine_core.runner
+        launches: list[bool] = []  # per launch: after a step still in flight
+        launch = runner.launch
+
+        def counting_launch(plan, previous):
+            launches.append(previous is not None)
+            return launch(plan, previous)
+
+        runner.launch = counting_launch
+        got = _greedy_tokens(two, prompts, 12)
+        sched = two.engine_core.scheduler
+        assert sched.num_free_blocks == sched.num_total_blocks
+    finally:
+        _shutdown_all(one, two)
+    assert got == expected and all(len(tokens) == 12 for tokens in got)
+    # one pipeline from the first step to the last: 21 steps, each after the first launched
+    # behind the one still in flight
+    assert launches == [False] + [True] * 20
+
+
 def _expert_counts(llm: LLM) -> list[list[int]]:
     """Rank 0's per-layer expert token counts, as the engine's `ExpertMonitor` reads them."""
     stats = ExpertMonitor.of_model(llm.engine_core.runner.model, freeze_after=0).read()
@@ -299,7 +332,15 @@ def test_flag_and_kwarg() -> None:
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size", "must be >= 1, got 0"),
         ({"tensor_parallel_timeout_s": 0.0}, "tensor_parallel_timeout_s", "got 0.0"),
-        ({"async_scheduling": True}, "async_scheduling", "tensor_parallel_size 2"),
+        (
+            {
+                "async_scheduling": True,
+                "enable_expert_parallel": True,
+                "expert_router_policy": "load-aware",
+            },
+            "async_scheduling",
+            "async_scheduling is not supported with expert_router_policy 'load-aware'",
+        ),
         ({"precision_switch": "fp8"}, "precision_switch", "tensor_parallel_size 2"),
         ({"num_spare_experts": 1}, "num_spare_experts", "tensor_parallel_size 2"),
     ],

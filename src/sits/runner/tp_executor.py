@@ -23,6 +23,11 @@ up to `START_TIMEOUT_S`, so the collectives' timeout bounds only the steps). The
 4. every rank runs the plan; rank 0's `StepResult` is the engine's, the workers drop theirs
    (each request's sampling is seeded alike on every rank, so the ranks agree).
 
+Async scheduling (`launch` / `collect`) keeps that order: rank 0 sends step N+1 before it
+collects N, marked to be launched after the step each worker launched last; a worker fills
+the plan's placeholder ids from the tokens it sampled itself in N (equal to rank 0's), so no
+token crosses the ranks and `collect` reads rank 0's only.
+
 A dead or hung worker, or a collective that fails, raises `TensorParallelWorkerError` (an
 `EngineDeadError`), and every later step raises it again: the engine loop's death path then
 fails every open request. `shutdown` asks the workers to stop, joins them (killing one past
@@ -33,11 +38,12 @@ What the engine asks of rank 0's runner beyond `run`, with more than one rank:
   tier's swap copies `plan.swap_out` / `swap_in`, run by each rank on its own KV cache);
 - read on rank 0 only: the MoE expert counters (routing is replicated, so rank 0 counts the
   tokens of every rank);
-- refused at start (`EngineConfig`): async scheduling (`launch` / `collect`), the precision
-  switch (`set_precision`), spare expert slots; refused when called (`EngineDriver`): expert
-  freeze / unfreeze / restore; off: the health check's automatic freezing and CUDA graphs
-  (steps run eagerly). A second tensor-parallel engine in one process is refused (one default
-  process group per process), and so is a CUDA run with more ranks than visible devices.
+- refused at start (`EngineConfig`): the precision switch (`set_precision`), spare expert
+  slots, async scheduling with load-aware expert placement (`launch` does not re-place);
+  refused when called (`EngineDriver`): expert freeze / unfreeze / restore; off: the health
+  check's automatic freezing and CUDA graphs (steps run eagerly). A second tensor-parallel
+  engine in one process is refused (one default process group per process), and so is a CUDA
+  run with more ranks than visible devices.
 """
 
 from __future__ import annotations
@@ -70,13 +76,16 @@ from sits.models.loader import build_meta_model
 from sits.parallel import TensorParallel
 from sits.parallel.topology import RankBinding, bind_process, plan_ranks
 from sits.runner.model_info import ModelInfo
-from sits.runner.model_runner import ModelRunner
+from sits.runner.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _WAKE = b"s"  # rank 0 -> worker: a step follows on the process group
 _STOP = b"q"  # rank 0 -> worker: leave the group and exit
+# How a worker runs a plan, as rank 0 does (`_run_plans`): `ModelRunner.run`, or `launch`
+# (async scheduling) without or after the step it launched before.
+_RUN, _LAUNCH, _LAUNCH_AFTER = "run", "launch", "launch-after"
 _START_POLL_S = 0.01  # the start's poll of the store and the workers' processes, seconds
 # Longest start of the workers up to the KV size agreement (loading a big checkpoint takes
 # minutes); a worker that exits meanwhile fails the start at once.
@@ -187,13 +196,29 @@ def _worker_blocks(store: dist.Store, rank: int, num_blocks: int) -> int:
     return int(store.get(_BLOCKS_KEY))
 
 
-def _receive_plan(group: _Group) -> StepPlan:
-    """A worker's side of `TensorParallelRunner._send_plan`: the length, then the bytes."""
+def _receive_plan(group: _Group) -> tuple[str, StepPlan]:
+    """A worker's side of `TensorParallelRunner._send_plan`: the length, then the bytes of
+    (how to run it: `_RUN`, `_LAUNCH` or `_LAUNCH_AFTER`; the plan)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.all_reduce(length, group=group.control)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(payload, src=0, group=group.control)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _run_plans(conn: Connection, group: _Group, runner: ModelRunner) -> None:
+    """A worker's steps: each plan rank 0 sends, run as rank 0 runs it (`run`, or `launch`
+    after the step this worker launched last, whose sampled tokens, the same on every rank,
+    fill the plan's placeholders), until `_STOP` or EOF on `conn`."""
+    previous: LaunchedStep | None = None  # the step launched last (async scheduling)
+    while conn.recv_bytes() == _WAKE:
+        mode, plan = _receive_plan(group)
+        if mode == _RUN:
+            runner.run(plan)
+            previous = None
+        else:
+            assert mode == _LAUNCH or previous is not None, "a launch after no launched step"
+            previous = runner.launch(plan, previous if mode == _LAUNCH_AFTER else None)
 
 
 def name_process(title: str) -> None:
@@ -250,8 +275,7 @@ def run_worker(
         runner = ModelRunner(
             config, info, rank=rank, agree_num_blocks=lambda n: _worker_blocks(store, rank, n)
         )
-        while conn.recv_bytes() == _WAKE:
-            runner.run(_receive_plan(group))
+        _run_plans(conn, group, runner)
     except EOFError:
         logger.info("rank 0 is gone; exiting")
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then the exit code
@@ -416,23 +440,50 @@ class TensorParallelRunner(ModelRunner):
             TensorParallelWorkerError: a worker is dead, hung past the timeout, or failed (this
                 step's or an earlier one's collective).
         """
-        self._send_plan(plan)
+        self._send_plan(_RUN, plan)
         try:
             return super().run(plan, while_gpu_runs)
         except RuntimeError as exc:  # a collective of the forward, when a peer failed or hung
-            if _is_collective_error(exc) or self._worker_failure() is not None:
-                raise self._fail(f"a collective of the step failed ({exc})") from exc
-            raise
+            failure = self._step_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
 
-    def _send_plan(self, plan: StepPlan) -> None:
-        """Wake each worker, then the plan's length (all_reduce: waits for every worker) and
-        its pickled bytes (broadcast) over the control group."""
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        """Async scheduling: send the plan to every worker, each to launch it after the step
+        it launched before when `previous` is given (its own sampled tokens, equal to rank
+        0's, fill the placeholders), then launch it here (`ModelRunner.launch`); `collect`
+        reads rank 0's tokens only.
+
+        Raises:
+            TensorParallelWorkerError: as `run`.
+        """
+        self._send_plan(_LAUNCH if previous is None else _LAUNCH_AFTER, plan)
+        try:
+            return super().launch(plan, previous)
+        except RuntimeError as exc:
+            failure = self._step_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    def _step_failure(self, exc: RuntimeError) -> TensorParallelWorkerError | None:
+        """The runner's failure when a step's RuntimeError comes from a collective (a peer
+        failed or hung) or a worker has failed; None when it is the step's own error."""
+        if _is_collective_error(exc) or self._worker_failure() is not None:
+            return self._fail(f"a collective of the step failed ({exc})")
+        return None
+
+    def _send_plan(self, mode: str, plan: StepPlan) -> None:
+        """Wake each worker, then the length (all_reduce: waits for every worker) and the
+        pickled bytes (broadcast) of (mode, plan) over the control group."""
         if self.failure is not None:
             raise self.failure
         for worker in self.workers:
             if not worker.process.is_alive():
                 raise self._fail(self._exit_text(worker))
-        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((mode, plan), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for worker in self.workers:
                 worker.conn.send_bytes(_WAKE)
