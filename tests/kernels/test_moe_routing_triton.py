@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from sits.kernels.moe_health_triton import fused_health_update  # noqa: E402
 from sits.kernels.moe_ref import select_experts  # noqa: E402
-from sits.kernels.moe_routing_triton import fused_route  # noqa: E402
+from sits.kernels.moe_routing_triton import fused_route, gate_route  # noqa: E402
 from sits.kernels.triton_utils import kernels_interpreted  # noqa: E402
 from sits.layers.moe import MoeConfig, SparseMoeBlock  # noqa: E402
 from sits.layers.moe_stats import ExpertState  # noqa: E402
@@ -94,6 +94,52 @@ def test_route_matches_reference(
     assert torch.equal(checked.bool(), ref_checked)
     assert int((acc - acc_before).sum()) == int(token_mask.sum()) * top_k
     assert int(checked.sum()) > 1  # real tokens reached experts
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "num_tokens", "hidden_size", "renormalize", "dtype", "masked"),
+    [
+        (128, 8, 1, 256, True, torch.float32, False),
+        (8, 2, 5, 96, True, torch.float16, True),  # H not a multiple of the 512-column step
+        (60, 4, 16, 1024, False, torch.float16, True),  # bf16: the GPU file
+    ],
+)
+def test_gate_route_equals_gate_then_route(
+    num_experts, top_k, num_tokens, hidden_size, renormalize, dtype, masked
+) -> None:
+    """The router GEMV + routing launch equals nn.Linear's logits (rounded to the dtype) fed
+    to `fused_route`: integer-valued inputs make the float32 sums exact in any order, so the
+    two agree bit for bit (ties included: both take the lowest id first). Twice in a row:
+    the arrival counter returns to zero and the counters add up."""
+    gen = torch.Generator().manual_seed(num_experts * num_tokens)
+    hidden = torch.randint(-3, 4, (num_tokens, hidden_size), generator=gen).to(dtype)
+    gate = (torch.randint(-3, 4, (num_experts, hidden_size), generator=gen) / 16).to(dtype)
+    frozen = torch.zeros(num_experts, dtype=torch.bool)
+    frozen[3] = True
+    token_mask = None
+    if masked:
+        token_mask = torch.ones(num_tokens, dtype=torch.bool)
+        token_mask[1] = False
+    logits = (hidden.double() @ gate.double().T).to(dtype)  # exact sums, then the gate's dtype
+    acc_ref = torch.zeros(num_experts, dtype=torch.int64)
+    checked_ref = torch.zeros(num_experts, dtype=torch.bool)
+    acc = acc_ref.clone()
+    checked = checked_ref.clone()
+    arrivals = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):
+        ref_weights, ref_ids = fused_route(
+            logits, frozen, top_k, renormalize, acc_ref, checked_ref, token_mask
+        )
+        weights, ids = gate_route(
+            hidden, gate, arrivals, frozen, top_k, renormalize, acc, checked, token_mask
+        )
+        assert torch.equal(ids, ref_ids)
+        assert torch.equal(weights, ref_weights)
+        assert int(arrivals) == 0
+    assert torch.equal(acc, acc_ref) and torch.equal(checked, checked_ref)
+    real = num_tokens - (1 if masked else 0)
+    assert int(acc.sum()) == 2 * real * top_k
+    assert not frozen[ids[ids >= 0]].any()
 
 
 def test_route_counts_every_token_without_mask() -> None:

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from sits.kernels.moe_health_triton import fused_health_update  # noqa: E402
 from sits.kernels.moe_ref import TorchMoe, select_experts  # noqa: E402
-from sits.kernels.moe_routing_triton import fused_route  # noqa: E402
+from sits.kernels.moe_routing_triton import fused_route, gate_route  # noqa: E402
 from sits.layers.moe import MoeConfig, SparseMoeBlock  # noqa: E402
 from sits.layers.moe_stats import ExpertState  # noqa: E402
 
@@ -197,8 +197,57 @@ def test_cuda_graph_capture_and_replay() -> None:
     assert int(state.num_tokens[bad]) == 2 * (num_tokens - 5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+def test_gate_route_equals_the_gate_then_fused_route_in_a_graph(num_tokens: int) -> None:
+    """bf16 at the Qwen3-30B-A3B shape (H=2048): the one-launch router GEMV + routing equals
+    cuBLAS's logits fed to `fused_route` on every row whose top k + 1 logits are distinct
+    after rounding (a logit may differ by one unit in the last place), captured in a CUDA
+    graph and replayed on new inputs, the counters included."""
+    hidden_size = 2048
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    gate = (torch.randn(NUM_EXPERTS, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16()
+    static_hidden = torch.zeros(num_tokens, hidden_size, dtype=torch.bfloat16, device="cuda")
+    frozen = torch.zeros(NUM_EXPERTS, dtype=torch.bool, device="cuda")
+    frozen[FROZEN_IDS] = True
+    arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
+    state = ExpertState.zeros(NUM_EXPERTS, TOP_K, torch.device("cuda"))
+    ref = ExpertState.zeros(NUM_EXPERTS, TOP_K, torch.device("cuda"))
+
+    def step():
+        return gate_route(
+            static_hidden, gate, arrivals, frozen, TOP_K, True, state.num_tokens, state.checked
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    state.num_tokens.zero_()
+    state.checked.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = step()
+    for replay in range(3):
+        hidden = torch.randn(num_tokens, hidden_size, generator=gen, device="cuda").bfloat16()
+        static_hidden.copy_(hidden)
+        graph.replay()
+        logits = torch.nn.functional.linear(hidden, gate)  # [T, E] bf16, cuBLAS
+        ref_weights, ref_ids = fused_route(logits, frozen, TOP_K, True, ref.num_tokens, ref.checked)
+        top = logits.float().masked_fill(frozen, -INF).sort(dim=-1, descending=True).values
+        distinct = (top[:, : TOP_K + 1].diff(dim=-1) != 0).all(dim=-1)  # [T]
+        assert int(distinct.sum()) >= num_tokens // 2, replay
+        assert torch.equal(ids[distinct], ref_ids[distinct]), replay
+        torch.testing.assert_close(weights, ref_weights, rtol=2e-2, atol=1e-3)
+        assert int(arrivals) == 0
+        assert int(state.num_tokens.sum()) == (replay + 1) * num_tokens * TOP_K
+        if bool(distinct.all()):
+            assert torch.equal(state.num_tokens, ref.num_tokens), replay
+
+
 @torch.no_grad()
-def test_sparse_moe_block_fused_path_equals_torch_path() -> None:
+@pytest.mark.parametrize("num_tokens", [7, 33])  # gate_route, then the gate GEMM + fused_route
+def test_sparse_moe_block_fused_path_equals_torch_path(num_tokens: int) -> None:
     torch.manual_seed(0)
     config = MoeConfig(NUM_EXPERTS, TOP_K, intermediate_size=32, renormalize=True)
     fused = SparseMoeBlock(64, config, TorchMoe()).cuda()
@@ -208,8 +257,8 @@ def test_sparse_moe_block_fused_path_equals_torch_path() -> None:
     reference.load_state_dict(fused.state_dict())
     reference.fused_routing = False
     assert fused._use_fused_kernels(torch.empty(1, device="cuda"))
-    hidden = torch.randn(33, 64, device="cuda")
-    token_mask = torch.ones(33, dtype=torch.bool, device="cuda")
+    hidden = torch.randn(num_tokens, 64, device="cuda")
+    token_mask = torch.ones(num_tokens, dtype=torch.bool, device="cuda")
     token_mask[-3:] = False
     bad = int(torch.bincount(select_experts(fused.gate(hidden), TOP_K, True)[1].flatten()).argmax())
     fused.w2[bad, 5] = NAN
