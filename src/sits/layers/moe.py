@@ -16,8 +16,9 @@ Invariants:
   reads `ExpertSlots.map_ids(topk_ids)` (one gather) and raises its non-finite flags per slot,
   folded back to logical ids after the experts. Without spares nothing of this runs.
 - On CUDA with Triton installed the routing and the bookkeeping are two Triton kernels
-  (`kernels.moe_routing_triton.fused_route` before the experts,
-  `kernels.moe_health_triton.fused_health_update` after them; imported only on that path) and
+  (`kernels.moe_routing_triton.fused_route` before the experts, or `gate_route`, which also
+  computes the gate's logits, for steps of one or two tokens; `kernels.moe_health_triton.
+  fused_health_update` after them; imported only on that path) and
   `MoeBackend.select_experts` is not called; elsewhere the PyTorch path of `ExpertState` runs
   with `MoeBackend.select_experts`. Both give the same routing, counts and health updates,
   except for equal logits (torch.topk orders them arbitrarily, the kernel lowest id first) and
@@ -161,6 +162,7 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter))
         self._local_nonfinite: Tensor | None = None  # expert parallelism: [num_local] flags
+        self._route_arrivals: Tensor | None = None  # `gate_route`'s [1] int32 counter
         self.moe_backend: MoeBackend = moe_backend if moe_backend is not None else TorchMoe()
         self._expert_state: ExpertState | None = None
         self.fused_routing = True
@@ -302,9 +304,9 @@ class SparseMoeBlock(nn.Module):
         ([num_tokens] bool, None = all) leaves padding tokens out of the counts and checks.
         """
         state = self.expert_state()
-        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         if self._use_fused_kernels(hidden):
-            return self._forward_fused(hidden, router_logits, state, token_mask)
+            return self._forward_fused(hidden, state, token_mask)
+        router_logits = self.gate(hidden)  # [num_tokens, num_experts]
         topk_weights, topk_ids = self.moe_backend.select_experts(
             state.mask_logits(router_logits), self.config.top_k, self.config.renormalize
         )  # [num_tokens, top_k] each
@@ -394,25 +396,36 @@ class SparseMoeBlock(nn.Module):
         return self._kernels_fit
 
     def _forward_fused(
-        self, hidden: Tensor, router_logits: Tensor, state: ExpertState, token_mask: Tensor | None
+        self, hidden: Tensor, state: ExpertState, token_mask: Tensor | None
     ) -> Tensor:
-        """The CUDA path: `fused_route`, the experts, `fused_health_update` (two launches
-        besides the gate GEMM and the experts' own, plus the slot gather and the flag fold
-        with spare slots; no host synchronisation). Padding tokens (token_mask False) go to
-        no expert, so their rows of the result are zeros."""
+        """The CUDA path: the gate GEMM and `fused_route` (one `gate_route` launch for up to
+        GATE_ROUTE_FASTER_TOKENS tokens), the experts, `fused_health_update` (plus the slot
+        gather and the flag fold with spare slots; no host synchronisation). Padding tokens
+        (token_mask False) go to no expert, so their rows of the result are zeros."""
         from sits.kernels.moe_health_triton import fused_health_update
-        from sits.kernels.moe_routing_triton import fused_route
+        from sits.kernels.moe_routing_triton import (
+            GATE_ROUTE_FASTER_TOKENS,
+            fused_route,
+            gate_route,
+        )
 
         top_k = self.config.top_k
-        topk_weights, topk_ids = fused_route(
-            router_logits,
-            state.frozen,
-            top_k,
-            self.config.renormalize,
-            state.num_tokens,
-            state.checked,
-            token_mask,
-        )  # [num_tokens, top_k] each
+        route_args = (state.frozen, top_k, self.config.renormalize, state.num_tokens)
+        gate = self.gate.weight  # [num_experts, hidden_size]
+        if (
+            0 < hidden.shape[0] <= GATE_ROUTE_FASTER_TOKENS
+            and gate.dtype == hidden.dtype
+            and hidden.stride(1) == 1
+        ):
+            if self._route_arrivals is None:  # persistent, so a captured graph reuses it
+                self._route_arrivals = torch.zeros(1, dtype=torch.int32, device=hidden.device)
+            topk_weights, topk_ids = gate_route(
+                hidden, gate, self._route_arrivals, *route_args, state.checked, token_mask
+            )  # [num_tokens, top_k] each
+        else:
+            topk_weights, topk_ids = fused_route(
+                self.gate(hidden), *route_args, state.checked, token_mask
+            )  # [num_tokens, top_k] each
         out = self._run_experts(hidden, topk_weights, topk_ids, state)  # [num_tokens, hidden]
         fused_health_update(
             state.checked,
