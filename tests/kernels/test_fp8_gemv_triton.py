@@ -129,18 +129,35 @@ def test_moe_gemv_matches_reference(block, num_tokens, num_experts, top_k, hidde
 def test_moe_gemv_padding_tokens_and_nonfinite_experts() -> None:
     x, q13, s13, q2, s2, weights, ids = make_experts(3, 8, 2, 64, 32, BLOCK, seed=9)
     ids[2], weights[2] = -1, 0.0  # a padding token: no expert, a zero row
+    ids[1, 1] = -1  # an expert another rank holds (expert parallelism): this pair adds nothing
     flags = torch.zeros(8, dtype=torch.bool, device=DEVICE)
-    out = fused_moe_fp8_gemv(x, q13, s13, q2, s2, BLOCK, weights, ids, flags, SMALL, SMALL)
+
+    def run(*args, flags=None):
+        return fused_moe_fp8_gemv(*args, flags, SMALL, SMALL)
+
+    out = run(x, q13, s13, q2, s2, BLOCK, weights, ids, flags=flags)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
-    real = fused_moe_fp8_gemv(
-        x[:2], q13, s13, q2, s2, BLOCK, weights[:2], ids[:2], None, SMALL, SMALL
-    )
+    real = run(x[:2], q13, s13, q2, s2, BLOCK, weights[:2], ids[:2])
     assert torch.equal(out[:2], real) and not flags.any()
+    alone = ids[1:2].clone()
+    alone[0, 1] = ids[1, 0]  # token 1's one local expert, given weight 0 the second time
+    one_weights = weights[1:2].clone()
+    one_weights[0, 1] = 0.0
+    torch.testing.assert_close(
+        out[1:2], run(x[1:2], q13, s13, q2, s2, BLOCK, one_weights, alone), rtol=0, atol=0
+    )
     bad = int(ids[0, 0])
     s2_bad = s2.clone()
     s2_bad[bad] = float("nan")  # one expert's weights are broken: its pairs' rows are NaN
-    fused_moe_fp8_gemv(x, q13, s13, q2, s2_bad, BLOCK, weights, ids, flags, SMALL, SMALL)
+    run(x, q13, s13, q2, s2_bad, BLOCK, weights, ids, flags=flags)
     assert flags.nonzero().flatten().tolist() == [bad]
+    flags.zero_()
+    x_bad = x.clone()
+    x_bad[0, 3] = float("inf")  # a poisoned input row never counts against its experts
+    ids_bad = ids.clone()
+    ids_bad[1:] = -1
+    run(x_bad, q13, s13, q2, s2_bad, BLOCK, weights, ids_bad, flags=flags)
+    assert not flags.any()
 
 
 def test_moe_gemv_refuses_tiles_across_the_gate_up_boundary() -> None:
