@@ -80,6 +80,8 @@
 #            (1-256 tokens), the FP8 GEMM tuner at M = 1 for the qwen3 shapes (per-row
 #            scales; its entries merged into the shipped JSONs, also copied to $OUT_DIR), then
 #            qwen3-30b-a3b FP8 batch 1 / batch 10 latency and 256 x 512/128 offline (~7 min)
+#   fusion   issue-25 batch-1 decode fusion: router GEMV + routing in one launch (GPU tests,
+#            micro-benchmark, batch-1 TPOT with async scheduling; see the section)
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -423,6 +425,29 @@ if has gemv; then
   gemv_b1 gemv_qwen3_b1_fp8 "${SITS_SRC:-$PWD/src}"
   [[ -n ${GEMV_BEFORE_SRC:-} ]] && gemv_b1 gemv_qwen3_b1_int4_before "$GEMV_BEFORE_SRC" int4
   gemv_b1 gemv_qwen3_b1_int4 "${SITS_SRC:-$PWD/src}" int4
+fi
+# fusion: issue-25 batch-1 decode fusion (the router GEMV + routing in one launch): its GPU
+# tests and the MoE engines' GPU tests (greedy vs transformers, graphs, spares), its
+# micro-benchmark with a launch sweep, then qwen3-30b-a3b batch-1 TPOT with
+# --async-scheduling: FP8 on FUSION_BEFORE_SRC (a tree without it, if set) and on this tree,
+# INT4 and bf16 on this tree (~6 min)
+if has fusion; then
+  run fusion_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "gpu or not gpu" \
+    tests/kernels/test_moe_routing_triton_gpu.py tests/kernels/test_fp8_gemv_triton.py \
+    tests/engine/test_gpu_runner.py tests/engine/test_expert_spares_gpu.py
+  run gate_route_bench python3 bench/kernels/gate_route_bench.py
+  fusion_b1() {  # fusion_b1 NAME SRC [FLAGS...]: qwen3-30b-a3b batch 1 512/256, async
+    local name=$1 src=$2; shift 2
+    PYTHONPATH="$src${PYTHONPATH#"${SITS_SRC:-$PWD/src}"}" run "$name" python3 -m sits.cli.main \
+      bench latency --random-weights qwen3-30b-a3b --batch-size 1 --input-len 512 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --async-scheduling "$@" \
+      --output-json "$OUT_DIR/$name.json"
+  }
+  [[ -n ${FUSION_BEFORE_SRC:-} ]] && fusion_b1 fusion_b1_fp8_before "$FUSION_BEFORE_SRC" \
+    --quantization fp8
+  fusion_b1 fusion_b1_fp8 "${SITS_SRC:-$PWD/src}" --quantization fp8
+  fusion_b1 fusion_b1_int4 "${SITS_SRC:-$PWD/src}" --quantization int4
+  fusion_b1 fusion_b1_bf16 "${SITS_SRC:-$PWD/src}"
 fi
 # precision: the issue-25 switch under load (sits bench precision-switch, ~2 min each with the
 # start): 128 x 256/1024 through AsyncLLM, 20 switches bf16 <-> fp8 (then int4) every 40
