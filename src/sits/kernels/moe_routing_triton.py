@@ -248,6 +248,17 @@ def gate_route_kernel(
         )  # fmt: skip
 
 
+def _check_route_args(
+    num_experts: int, top_k: int, frozen: Tensor, num_tokens_acc: Tensor, checked: Tensor
+) -> None:
+    """The kernels' limits and the counters' shapes (asserts: callers pass them right)."""
+    assert 1 <= top_k <= min(MAX_TOP_K, num_experts), f"top_k {top_k} out of range"
+    assert num_experts <= MAX_EXPERTS, f"{num_experts} experts > {MAX_EXPERTS}"
+    assert frozen.shape == (num_experts,) and frozen.is_contiguous()
+    assert num_tokens_acc.shape == (num_experts,) and num_tokens_acc.dtype == torch.int64
+    assert checked.shape == (num_experts,) and checked.is_contiguous()
+
+
 def default_block_tokens(num_tokens: int) -> int:
     """Tokens per program: one for decode-sized batches (most programs in flight, no wasted
     rows), eight beyond 512 tokens (fewer atomics on the counters)."""
@@ -288,12 +299,8 @@ def fused_route(
         experts in descending weight order; -1 and 0 on padding tokens.
     """
     num_tokens, num_experts = router_logits.shape
-    assert 1 <= top_k <= min(MAX_TOP_K, num_experts), f"top_k {top_k} out of range"
-    assert num_experts <= MAX_EXPERTS, f"{num_experts} experts > {MAX_EXPERTS}"
     assert router_logits.stride(1) == 1 or num_experts == 1, "logits rows must be contiguous"
-    assert frozen.shape == (num_experts,) and frozen.is_contiguous()
-    assert num_tokens_acc.shape == (num_experts,) and num_tokens_acc.dtype == torch.int64
-    assert checked.shape == (num_experts,) and checked.is_contiguous()
+    _check_route_args(num_experts, top_k, frozen, num_tokens_acc, checked)
     device = router_logits.device
     topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
@@ -358,12 +365,8 @@ def gate_route(
     assert 1 <= num_tokens <= GATE_ROUTE_MAX_TOKENS, f"{num_tokens} tokens for gate_route"
     assert gate_weight.shape == (num_experts, hidden_size) and gate_weight.stride(1) == 1
     assert hidden.stride(1) == 1 and gate_weight.dtype == hidden.dtype
-    assert 1 <= top_k <= min(MAX_TOP_K, num_experts), f"top_k {top_k} out of range"
-    assert num_experts <= MAX_EXPERTS, f"{num_experts} experts > {MAX_EXPERTS}"
     assert arrivals.shape == (1,) and arrivals.dtype == torch.int32
-    assert frozen.shape == (num_experts,) and frozen.is_contiguous()
-    assert num_tokens_acc.shape == (num_experts,) and num_tokens_acc.dtype == torch.int64
-    assert checked.shape == (num_experts,) and checked.is_contiguous()
+    _check_route_args(num_experts, top_k, frozen, num_tokens_acc, checked)
     device = hidden.device
     block_e = next_power_of_2(num_experts)
     block_t = next_power_of_2(num_tokens)
