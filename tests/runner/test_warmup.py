@@ -117,7 +117,9 @@ def test_warm_up_runs_the_listed_steps_and_restores_expert_state(moe_dir) -> Non
     )
     hook.remove()
     assert report.token_counts == (*COUNTS_64, MIXED_TOKENS)
-    assert seen == list(report.token_counts)
+    # ... and one more full-budget step, compiled by then, timed for the prefill rate
+    assert seen == [*report.token_counts, max(COUNTS_64)]
+    assert report.prefill_tokens_per_s is not None and report.prefill_tokens_per_s > 0
     assert monitor.read() == before
     for block, saved in zip(monitor.blocks.values(), raw_before, strict=True):
         state = block.expert_state()

@@ -75,10 +75,15 @@ class WarmupReport:
         token_counts: tokens of each dummy step, in run order (prefill steps, then the mixed
             steps).
         elapsed_s: wall seconds of the whole warm-up (device synchronised at the end).
+        prefill_tokens_per_s: tokens per second of one more full-budget prefill step, run
+            once its kernels are compiled (forward and logits, device synchronised around
+            it): the overload estimate's first measurement (`sits.engine.stats`); None when
+            no prefill step fit.
     """
 
     token_counts: tuple[int, ...]
     elapsed_s: float
+    prefill_tokens_per_s: float | None = None
 
     @property
     def num_steps(self) -> int:
@@ -303,15 +308,35 @@ def warm_up_kernels(
         backends = _mixed_backends(attn_backend, local_num_heads(model))
         steps += [(mixed, backend) for backend in backends]
     token_counts = []
-    for plan, backend in steps:
+
+    def run(plan: StepPlan, backend: AttentionBackend) -> None:
         inputs = buffers.prepare(plan)
         ctx = ForwardContext(inputs.metadata, kv_caches, backend, token_mask=inputs.token_mask)
         hidden = model(inputs.input_ids, inputs.positions, ctx)  # [num_tokens, hidden]
         model.compute_logits(hidden[inputs.last_token_indices])  # [num_seqs, vocab] float32
+
+    for plan, backend in steps:
+        run(plan, backend)
         token_counts.append(plan.num_scheduled_tokens)
+    rate = None
+    full = max((plan for plan, _ in steps), key=lambda p: p.num_scheduled_tokens, default=None)
+    if full is not None:
+        _synchronize(buffers.device)
+        step_start = time.perf_counter()
+        run(full, attn_backend)
+        _synchronize(buffers.device)
+        rate = full.num_scheduled_tokens / max(time.perf_counter() - step_start, 1e-9)
     snapshot.restore()
-    if buffers.device.type == "cuda":
-        torch.cuda.synchronize(buffers.device)
+    _synchronize(buffers.device)
     elapsed_s = time.perf_counter() - start
-    logger.info("warmed up %d prefill shapes in %.1f s", len(token_counts), elapsed_s)
-    return WarmupReport(tuple(token_counts), elapsed_s)
+    logger.info(
+        "warmed up %d prefill shapes in %.1f s (a %d-token prefill step: %s tok/s)",
+        len(token_counts), elapsed_s, full.num_scheduled_tokens if full else 0,
+        f"{rate:,.0f}" if rate else "-",
+    )  # fmt: skip
+    return WarmupReport(tuple(token_counts), elapsed_s, rate)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
