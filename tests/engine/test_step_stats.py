@@ -60,6 +60,20 @@ def test_a_step_counts_its_rows_tokens_phases_and_tenant_shares() -> None:
     assert stats.busy_s == pytest.approx(sum(stats.tenant_busy_s.values()), rel=1e-12)
 
 
+def test_only_representative_prefill_steps_count_toward_the_prefill_rate() -> None:
+    """A step of fewer prompt tokens than `representative_prefill_tokens` adds to the plain
+    prefill counters only; one of at least that many adds to both."""
+    stats = StepStats(representative_prefill_tokens=8)
+    small = _plan()  # 7 prompt tokens
+    stats.account_step(small, prefills_of(small), {}, 2.0, 1.5, (1.0, 3.0), 1.0, 0.5)
+    assert (stats.num_prefill_tokens, stats.prefill_busy_s) == (7, 1.5)
+    assert (stats.num_full_prefill_tokens, stats.full_prefill_busy_s) == (0, 0.0)
+    large = StepPlan(scheduled=[ScheduledRequest("d", list(range(8)), 0, [7], False)])
+    stats.account_step(large, prefills_of(large), {}, 1.0, 0.25, (3.0, 4.0), 0.5, 0.5)
+    assert (stats.num_prefill_tokens, stats.prefill_busy_s) == (15, 1.75)
+    assert (stats.num_full_prefill_tokens, stats.full_prefill_busy_s) == (8, 0.25)
+
+
 def test_outputs_carry_first_scheduled_times_once_and_recorded_chunks() -> None:
     stats = StepStats(record_request_chunks=True)
     plan = _plan()

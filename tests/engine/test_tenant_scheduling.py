@@ -163,9 +163,12 @@ def test_waiting_load_and_prefill_accounting(tiny_model_factory) -> None:
         "bulk": WaitingLoad(oldest_arrival_s=10.0, num_prefill_tokens=60),
         "gold": WaitingLoad(oldest_arrival_s=12.0, num_prefill_tokens=32),
     }
+    assert core.stats.representative_prefill_tokens == 512 // 4  # a quarter of the budget
+    assert core.stats.prefill_rate_seed_tokens_per_s is None  # no warm-up on the CPU
     core.step()  # every prompt fits the 512-token budget
     assert core.waiting_load() == {}
     assert core.stats.num_prefill_tokens == 92 and core.stats.prefill_busy_s > 0
+    assert core.stats.num_full_prefill_tokens == 0  # 92 < 128: not representative
     busy_s = core.stats.prefill_busy_s
     core.step()  # decodes only
     assert core.stats.num_prefill_tokens == 92 and core.stats.prefill_busy_s == busy_s

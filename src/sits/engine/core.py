@@ -138,7 +138,11 @@ class EngineCore:
             token_buckets=self.runner.step_token_buckets,
         )
         self.policy = StepPolicy(tenant_policies, pacer, config.max_num_batched_tokens)
-        self.stats = StepStats()
+        warmup = getattr(self.runner, "warmup", None)
+        self.stats = StepStats(
+            representative_prefill_tokens=max(1, config.max_num_batched_tokens // 4),
+            prefill_rate_seed_tokens_per_s=warmup.prefill_tokens_per_s if warmup else None,
+        )
         self.step_shapes = recorder_from_env(env_values(STEP_SHAPES_ENV))  # for replays
         self.step_profiler = profiler_from_env(env_values(PROFILE_STEPS_ENV, PROFILE_FILE_ENV))
         self.precision_control = (

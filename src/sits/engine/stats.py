@@ -2,8 +2,13 @@
 
 Step accounting (`StepStats`, on the engine's thread). Load accounting for overload control
 (read by `AsyncLLM` for its stats): cumulative prefill tokens computed and the wall time of the
-steps that computed them (`num_prefill_tokens`, `prefill_busy_s`; their ratio is a prefill
-rate). Cost accounting: each step's wall time (schedule + run + update) is added to `busy_s`
+steps that computed them (`num_prefill_tokens`, `prefill_busy_s`), and the same over the
+representative steps only (`num_full_prefill_tokens`, `full_prefill_busy_s`: steps with at
+least `representative_prefill_tokens` prompt tokens, a quarter of the step budget), whose
+ratio is the prefill rate the overload control predicts TTFT with. A step of a few prompt
+tokens costs mostly fixed per-step time, so its tokens per second say nothing of how fast a
+backlog drains (a 7-token request measured 69 tok/s on an engine that prefills thousands).
+Cost accounting: each step's wall time (schedule + run + update) is added to `busy_s`
 and split among the tenants of its scheduled requests in proportion to their scheduled tokens
 (`split_step_time`; a prefill token and a decode token weigh the same), accumulated in
 `tenant_busy_s`; so the tenants' shares always add up to `busy_s`. The prompt chunks (and
@@ -121,6 +126,12 @@ class StepStats:
         num_prefill_tokens: prompt (or recomputed) tokens computed so far.
         prefill_busy_s: wall seconds of the steps that computed prefill tokens (the whole
             step counts, decodes batched with the prefill included).
+        representative_prefill_tokens: prompt tokens a step needs to count in the two
+            counters below (>= 1).
+        num_full_prefill_tokens, full_prefill_busy_s: `num_prefill_tokens` and
+            `prefill_busy_s` of the steps with at least representative_prefill_tokens.
+        prefill_rate_seed_tokens_per_s: the warm-up's measured full-step prefill rate
+            (`runner.warmup.WarmupReport`), or None when no warm-up ran.
         busy_s: wall seconds of every step that scheduled tokens.
         tenant_busy_s: tenant id -> its share of `busy_s`.
         tenant_scheduled_tokens: tenant id -> tokens scheduled for it so far (prompt chunks,
@@ -141,6 +152,10 @@ class StepStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0
     prefill_busy_s: float = 0.0
+    representative_prefill_tokens: int = 1
+    num_full_prefill_tokens: int = 0
+    full_prefill_busy_s: float = 0.0
+    prefill_rate_seed_tokens_per_s: float | None = None
     busy_s: float = 0.0
     tenant_busy_s: dict[str, float] = field(default_factory=dict)
     tenant_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -211,9 +226,13 @@ class StepStats:
         self.num_steps += 1
         if prefills:
             start_s, end_s = chunk_s
-            self.num_prefill_tokens += sum(sr.num_tokens for sr in prefills)
+            num_tokens = sum(sr.num_tokens for sr in prefills)
+            self.num_prefill_tokens += num_tokens
             self.num_prefill_chunks += len(prefills)
             self.prefill_busy_s += busy_s
+            if num_tokens >= self.representative_prefill_tokens:
+                self.num_full_prefill_tokens += num_tokens
+                self.full_prefill_busy_s += busy_s
             self.prefill_chunks.extend(
                 PrefillChunk(sr.request_id, start_s, end_s, sr.start_position, sr.num_tokens)
                 for sr in prefills
@@ -291,6 +310,9 @@ class EngineStats:
         num_prefill_tokens: prefill tokens computed since start.
         prefill_busy_s: seconds of the steps that computed them, since start (the ratio of the
             deltas of these two is a prefill rate in tokens per second).
+        num_full_prefill_tokens, full_prefill_busy_s: the same over representative steps
+            only (`StepStats`); the overload control's prefill rate.
+        prefill_rate_seed_tokens_per_s: the warm-up's full-step prefill rate, or None.
         borrowing_tiers: tier values whose tenants may currently borrow beyond their
             reservation (`set_borrowing_tiers`; all three by default).
         num_prefix_cache_query_tokens: prompt tokens looked up in the prefix cache since start
@@ -321,6 +343,9 @@ class EngineStats:
     num_queued_prefill_tokens: int = 0
     num_prefill_tokens: int = 0
     prefill_busy_s: float = 0.0
+    num_full_prefill_tokens: int = 0
+    full_prefill_busy_s: float = 0.0
+    prefill_rate_seed_tokens_per_s: float | None = None
     borrowing_tiers: tuple[str, ...] = ALL_TIERS
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
@@ -378,6 +403,9 @@ def snapshot_stats(
         num_queued_prefill_tokens=sum(w.num_prefill_tokens for w in waiting.values()),
         num_prefill_tokens=core.stats.num_prefill_tokens,
         prefill_busy_s=core.stats.prefill_busy_s,
+        num_full_prefill_tokens=core.stats.num_full_prefill_tokens,
+        full_prefill_busy_s=core.stats.full_prefill_busy_s,
+        prefill_rate_seed_tokens_per_s=core.stats.prefill_rate_seed_tokens_per_s,
         borrowing_tiers=borrowing_tiers,
         num_prefix_cache_query_tokens=prefix_cache.num_query_tokens,
         num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
