@@ -55,8 +55,8 @@ class FakeEngine:
             tenants={"gold": _sched(0, 50), "bulk": _sched(0, 20), "free": _sched(0, 0)},
             waiting={},
             kv_cache_usage=0.0,
-            num_prefill_tokens=0,
-            prefill_busy_s=0.0,
+            num_full_prefill_tokens=0,
+            full_prefill_busy_s=0.0,
         )
 
     def stats(self) -> SimpleNamespace:
@@ -198,6 +198,42 @@ def test_prefill_rate_is_an_ema_of_measured_samples() -> None:
         PrefillRateEstimator(alpha=0)
 
 
+def test_prefill_rate_starts_from_the_warm_up_seed() -> None:
+    est = PrefillRateEstimator(alpha=0.5)
+    assert est.update(0, 0.0, seed=4000.0) == 4000.0  # the warm-up's full step, at once
+    assert est.update(1000, 1.0, seed=4000.0) == 0.5 * 1000.0 + 0.5 * 4000.0  # then the EMA
+    assert PrefillRateEstimator().update(0, 0.0, seed=None) is None
+
+
+def test_a_small_first_prompt_does_not_turn_a_fresh_server_red() -> None:
+    """The trial's fault: a 7-token request measured 69 tok/s (mostly fixed step time), then
+    one 700-token guaranteed prompt predicted 10 s against a 1 s SLO and turned the server
+    red while it ran (0.28 s). Only representative steps count now (a quarter of the step
+    budget: `StepStats`), so the 7-token step leaves the rate unmeasured and the TTFT signal
+    silent; and the moment nothing runs or waits the state is green, hold or not."""
+    clock = FakeClock(100.0)
+    engine = FakeEngine()
+    watcher = OverloadWatcher(engine, _qos(clock, engine))
+    engine.snapshot.num_running, engine.snapshot.num_waiting = 0, 0
+    assert watcher.tick(now_s=100.0) is OverloadState.GREEN  # baseline
+    # The 7-token request ran: its step is below the representative size, nothing counted.
+    engine.snapshot.num_prefill_tokens, engine.snapshot.prefill_busy_s = 7, 0.1
+    engine.snapshot.num_running, engine.snapshot.num_waiting = 1, 1
+    engine.snapshot.waiting = {"gold": WaitingLoad(100.0, 700)}
+    assert watcher.tick(now_s=100.1) is OverloadState.GREEN
+    assert watcher.snapshot()[1] is None and watcher.last_signals.predicted_ttft_s == 0.0
+    # With a measured rate the same backlog would be red (700 / 69 tok/s = 10 s vs 1 s) ...
+    engine.snapshot.num_full_prefill_tokens, engine.snapshot.full_prefill_busy_s = 7, 0.1
+    watcher.tick(now_s=100.2)
+    engine.snapshot.num_full_prefill_tokens, engine.snapshot.full_prefill_busy_s = 14, 0.2
+    assert watcher.tick(now_s=100.3) is OverloadState.RED
+    # ... but once it is served and the engine is idle, red ends at once, without the hold.
+    engine.snapshot.waiting = {}
+    engine.snapshot.num_running, engine.snapshot.num_waiting = 0, 0
+    assert watcher.tick(now_s=100.4) is OverloadState.GREEN
+    assert engine.tiers_set[-1] == frozenset({"guaranteed", "burstable", "best_effort"})
+
+
 def test_signals_count_only_the_work_the_engine_may_start() -> None:
     stats = SimpleNamespace(
         kv_cache_usage=0.5,
@@ -262,7 +298,7 @@ def test_watcher_steps_up_defers_and_recovers() -> None:
     assert engine.tiers_set[-1] == frozenset({"guaranteed", "burstable", "best_effort"})
     # Measured prefill of 1000 tokens/s and 2500 guaranteed tokens queued against a 1 s
     # TTFT SLO: predicted 2.5 s, ratio 2.5 >= 2: red.
-    engine.snapshot.num_prefill_tokens, engine.snapshot.prefill_busy_s = 1000, 1.0
+    engine.snapshot.num_full_prefill_tokens, engine.snapshot.full_prefill_busy_s = 1000, 1.0
     engine.snapshot.waiting = {"gold": WaitingLoad(None, 2500)}
     assert watcher.tick(now_s=116.0) is OverloadState.RED
     assert watcher.snapshot() == (watcher.last_signals, 1000.0)

@@ -13,7 +13,8 @@ State rules (`OverloadMonitor.update`):
 - step up at once, possibly green -> red, when the raw level is above the state;
 - step down one level (red -> yellow -> green) only after every signal has stayed below
   `exit_ratio` x the current level's thresholds for `hold_s` seconds without a break; the hold
-  restarts after each step down and whenever a signal climbs back over the exit level.
+  restarts after each step down and whenever a signal climbs back over the exit level;
+- an idle engine (`calm_down`, the caller's judgement) is green at once.
 
 Admission rules (`OverloadPolicy.admit`); "over quota" means new work would use borrowed
 capacity (the tenant holds at least its reserved share); best_effort is always over quota:
@@ -212,6 +213,14 @@ class OverloadMonitor:
         if now_s - self._calm_since_s >= self.thresholds.hold_s:
             self._enter(_BY_SEVERITY[self._state.severity - 1], now_s)
             self._calm_since_s = now_s if calm.severity < self._state.severity else None
+        return self._state
+
+    def calm_down(self) -> OverloadState:
+        """Green at once, without the hold: for an idle engine, whose signals are zero by
+        construction (nothing queued, nothing running), so no hold can protect anyone."""
+        if self._state is not OverloadState.GREEN:
+            self._enter(OverloadState.GREEN, self._clock.monotonic())
+        self._calm_since_s = None
         return self._state
 
     def _enter(self, state: OverloadState, now_s: float) -> None:

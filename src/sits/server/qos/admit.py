@@ -285,9 +285,13 @@ class ServerQos:
         """The forced state when one is set (`force_overload_state`), else the monitor's."""
         return self._override or self.monitor.state
 
-    def observe(self, signals: OverloadSignals) -> OverloadState:
-        """Feed the monitor one measurement and apply the resulting state; returns it."""
-        self.monitor.update(signals)
+    def observe(self, signals: OverloadSignals, idle: bool = False) -> OverloadState:
+        """Feed the monitor one measurement and apply the resulting state; returns it.
+        `idle` (nothing running or waiting in the engine): green at once (`calm_down`)."""
+        if idle:
+            self.monitor.calm_down()
+        else:
+            self.monitor.update(signals)
         state = self.overload_state
         self.apply_borrowing(state)
         return state

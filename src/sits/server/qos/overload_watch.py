@@ -7,13 +7,18 @@ Each tick (every `QosSettings.overload_poll_s`) reads `engine.stats()` and compu
   promise; counting them would stop borrowing whenever borrowers fill idle memory);
 - predicted_ttft_s: counted queued prefill tokens / the measured prefill rate, where the rate
   is an exponential moving average of (prefill tokens computed) / (seconds of the steps
-  computing them) over the ticks in which prefill happened; 0 until a first measurement;
+  computing them) over the ticks in which representative prefill steps ran (steps of at
+  least a quarter of the step budget: `sits.engine.stats`), starting from the warm-up's
+  measured full-step rate; 0 while neither exists (no warm-up, only small prompts so far), so
+  the state never turns red on an estimate that has not seen representative work;
 - min_ttft_slo_s: the tightest TTFT SLO of the tenants (`TenantsConfig.min_ttft_ms`).
 Counted work is that of guaranteed tenants (and of tenants not configured):
 `ServerQos.counts_toward_load`. A burstable or best-effort tenant's backlog is bounded per
 tenant at admission instead (`ServerQos.backlog_shed_reason`).
 `ServerQos.observe` turns the signals into the state (green / yellow / red) and the engine's
-borrowing tiers. A tick that cannot read stats (dead engine) changes nothing.
+borrowing tiers. An idle engine (nothing running, nothing waiting) is green at once, without
+the hold time a calm signal otherwise needs. A tick that cannot read stats (dead engine)
+changes nothing.
 """
 
 from __future__ import annotations
@@ -50,12 +55,18 @@ class PrefillRateEstimator:
         self.rate_tokens_per_s: float | None = None
         self._last: tuple[int, float] | None = None
 
-    def update(self, num_prefill_tokens: int, prefill_busy_s: float) -> float | None:
+    def update(
+        self, num_prefill_tokens: int, prefill_busy_s: float, seed: float | None = None
+    ) -> float | None:
         """Take the cumulative counters now; returns the rate (None until measured).
 
         A sample is (delta tokens) / (delta busy seconds) since the previous call, taken only
-        when both grew; the first call only sets the baseline.
+        when both grew; the first call only sets the baseline. `seed` (tokens per second,
+        e.g. the warm-up's measurement) is the rate until a first sample, then the EMA's
+        starting point.
         """
+        if self.rate_tokens_per_s is None and seed:
+            self.rate_tokens_per_s = seed
         last, self._last = self._last, (num_prefill_tokens, prefill_busy_s)
         if last is None:
             return self.rate_tokens_per_s
@@ -136,7 +147,9 @@ class OverloadWatcher:
         except Exception:  # noqa: BLE001 - a dead engine: the lifecycle handles it
             return None
         rate = self.prefill.update(
-            getattr(stats, "num_prefill_tokens", 0), getattr(stats, "prefill_busy_s", 0.0)
+            getattr(stats, "num_full_prefill_tokens", 0),
+            getattr(stats, "full_prefill_busy_s", 0.0),
+            getattr(stats, "prefill_rate_seed_tokens_per_s", None),
         )
         now_s = time.monotonic() if now_s is None else now_s
         signals = overload_signals(
@@ -144,7 +157,8 @@ class OverloadWatcher:
         )
         self.last_signals = signals
         before = self.qos.overload_state
-        state = self.qos.observe(signals)
+        idle = getattr(stats, "num_running", None) == 0 == getattr(stats, "num_waiting", None)
+        state = self.qos.observe(signals, idle=idle)
         if state is not before:
             # Guaranteed tenants are never shed: with no other tier the state changes nothing.
             sheddable = any(t.tier is not Tier.GUARANTEED for t in self.qos.tenants.tenants)
