@@ -13,9 +13,10 @@ from sits.engine.engine_loop import EngineLoop
 from sits.engine.messages import AddRequest, EngineCall, FinishRequests, StatsUpdate, StepOutputs
 from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import EngineStats
+from sits.engine.step_watch import StepWatch
 from tests.engine.fake_pipes import Inbox
 
-_NO_TIMES = types.SimpleNamespace(mark=lambda step_started_s: None)
+_NO_TIMES = types.SimpleNamespace(mark=lambda step_started_s, typical_step_s=0.0: None)
 
 
 def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> EngineLoop:
@@ -54,6 +55,7 @@ def _proc(log: list[str], num_steps: int, device_steps: set[int]) -> EngineLoop:
     proc.loop_times, proc.pending, proc.stopping = _NO_TIMES, None, False
     proc.deferred, proc.took_adds = [], False
     proc.stats_time_s = 0.0
+    proc.step_watch = StepWatch()
     proc.drain = drain
     proc.snapshot = lambda force: None
     proc.profile = types.SimpleNamespace(

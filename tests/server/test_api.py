@@ -291,6 +291,22 @@ def test_health_and_metrics_are_up(server) -> None:
     assert "sits:num_requests_running" in text and "sits:kv_cache_usage_perc" in text
 
 
+def test_health_is_503_while_a_step_is_stalled_and_200_after(server, monkeypatch) -> None:
+    """A stalled step (`AsyncLLM.stall_reason`, unit-tested in tests/engine/test_engine_health)
+    turns /health to 503 "engine_stalled" with the reason; the engine is not dead: the
+    probe after the step is 200 again."""
+    reason = "an engine step has run for 6.0 s, past its stall limit of 5.0 s"
+    monkeypatch.setattr(server.engine, "stall_reason", lambda: reason)
+    with server.http() as http:
+        resp = http.get("/health")
+        assert resp.status_code == 503
+        error = resp.json()["error"]
+        assert error["code"] == "engine_stalled" and reason in error["message"]
+        assert http.head("/health").status_code == 503
+        monkeypatch.setattr(server.engine, "stall_reason", lambda: None)
+        assert http.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -186,6 +186,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "must still turn within 10 s",
     )
     p.add_argument(
+        "--engine-stall-floor",
+        type=_positive_seconds,
+        default=None,
+        metavar="S",
+        help='/health answers 503 ("engine_stalled", the engine lives on) while one step has '
+        "run past 10x this engine's slow steps and at least S seconds, so a load balancer "
+        "stops sending work to a frozen engine long before --engine-step-timeout ends it "
+        "(default: 5 on a GPU, 30 on a CPU, where a busy machine's steps can take 15-20 s)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=_gpu_price,
         default=30.0,
@@ -477,6 +487,7 @@ def run_serve(args: argparse.Namespace) -> int:
             config,
             engine_process=args.engine_process,
             step_timeout_s=args.engine_step_timeout,
+            stall_floor_s=args.engine_stall_floor,
             tenant_policies=tenant_policies_of(tenants),
             expert_freeze_after=args.expert_freeze_after,
             restore_frozen_experts=args.restore_frozen_experts,

@@ -68,6 +68,7 @@ from sits.engine.messages import (
 from sits.engine.output_processor import OutputProcessor, child_request_ids, make_engine_requests
 from sits.engine.process_transport import ProcessTransport
 from sits.engine.stats import EngineStats, PrefillChunk, parse_tiers
+from sits.engine.step_watch import STALL_FLOOR_S, stall_limit_s, stall_reason
 from sits.engine.thread_transport import ThreadTransport
 from sits.runner.expert_health import DEFAULT_FREEZE_AFTER, ExpertStats
 from sits.sched.config import TenantPolicy
@@ -88,6 +89,9 @@ class AsyncLLM:
             (`hung_loop_error`).
         step_timeout_s: ... or when one step has run this many seconds (a hung step; a long
             one, such as a big prompt chunk on a CPU, stays healthy until then).
+        stall_floor_s: a step counts as stalled (`stall_reason`: /health answers 503, the
+            engine lives on) after 10x the engine's slow steps and at least this many
+            seconds (`sits.engine.step_watch`); None = 5 s on CUDA, 30 s on the CPU.
         tenant_policies: the scheduler's tenants (`sits.engine.builder.tenant_policies_of`);
             () for plain FCFS.
         expert_freeze_after: consecutive anomalous (non-finite output) checks that freeze an
@@ -118,6 +122,7 @@ class AsyncLLM:
         engine_process: bool = False,
         health_timeout_s: float = 10.0,
         step_timeout_s: float = ENGINE_STEP_TIMEOUT_S,
+        stall_floor_s: float | None = None,
         tenant_policies: tuple[TenantPolicy, ...] = (),
         expert_freeze_after: int = DEFAULT_FREEZE_AFTER,
         restore_frozen_experts: bool = False,
@@ -141,6 +146,11 @@ class AsyncLLM:
         self.model_name = config.model_name
         self.health_timeout_s = health_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.stall_floor_s = (
+            stall_floor_s
+            if stall_floor_s is not None
+            else STALL_FLOOR_S.get(transport.info.device.type, STALL_FLOOR_S["cpu"])
+        )
         self.errored = False
         self.dead_error: BaseException | None = None
         self._stats: EngineStats = transport.stats
@@ -165,7 +175,7 @@ class AsyncLLM:
         `step_timeout_s`); cheap, never blocks. A hung loop's reason becomes `dead_error`."""
         if self.errored or self._stopping or not self.transport.alive():
             return False
-        step_started_s, turned_s = self.transport.loop_times.read()
+        step_started_s, turned_s, _ = self.transport.loop_times.read()
         error = hung_loop_error(
             time.monotonic(),
             max(self._heartbeat_s, turned_s),
@@ -176,6 +186,17 @@ class AsyncLLM:
         if error is not None and self.dead_error is None:
             self.dead_error = error
         return error is None
+
+    def stall_reason(self) -> str | None:
+        """Why the running step counts as stalled (it has run past its stall limit,
+        `sits.engine.step_watch`), or None; the engine stays alive (the hard step timeout
+        decides that). Cheap, never blocks."""
+        step_started_s, _, typical_s = self.transport.loop_times.read()
+        if not step_started_s:
+            return None
+        elapsed_s = time.monotonic() - step_started_s
+        limit_s = stall_limit_s(typical_s, self.stall_floor_s, self.step_timeout_s)
+        return stall_reason(elapsed_s, typical_s, limit_s) if elapsed_s > limit_s else None
 
     def stats(self) -> EngineStats:
         """The newest load snapshot the loop sent."""

@@ -81,6 +81,7 @@ from sits.engine.messages import (
     pack_error,
 )
 from sits.engine.stats import ALL_TIERS, EngineStats, LoopProfile, snapshot_stats, tier_values
+from sits.engine.step_watch import StepWatch
 from sits.runner.expert_health import ExpertMonitor, ExpertStats
 from sits.sched.config import TenantTier
 
@@ -120,7 +121,7 @@ class EventSink(Protocol):
 class LoopTimesSink(Protocol):
     """Where the loop publishes its times (`LoopTimes`, `SharedLoopTimes`)."""
 
-    def mark(self, step_started_s: float) -> None: ...
+    def mark(self, step_started_s: float, typical_step_s: float = 0.0) -> None: ...
 
 
 class EngineLoop:
@@ -157,6 +158,9 @@ class EngineLoop:
         self.took_adds = False
         self.stats_time_s = time.monotonic()
         self.profile = LoopProfile(driver.core)
+        warmup = getattr(self.core.runner, "warmup", None)
+        rate = warmup.prefill_tokens_per_s if warmup is not None else None
+        self.step_watch = StepWatch(max(warmup.token_counts) / rate if rate else None)
 
     @property
     def stats(self) -> EngineStats:
@@ -183,12 +187,15 @@ class EngineLoop:
                 if self.stopping or not core.has_unfinished_requests():
                     continue
                 profile.mark()
-                self.loop_times.mark(time.monotonic())
+                step_start_s = time.monotonic()
+                typical_s = self.step_watch.typical_s()
+                self.loop_times.mark(step_start_s, typical_s)
                 # The last step's outputs are written, and new requests taken, while the
                 # device runs this one.
                 self.took_adds = False
                 outputs, stalled = self.driver.step(self.while_gpu_runs)
-                self.loop_times.mark(0.0)
+                self.step_watch.record(time.monotonic() - step_start_s)
+                self.loop_times.mark(0.0, self.step_watch.typical_s())
                 profile.lap("step")
                 stalled = stalled and not self.took_adds  # stalled: wait for a command
                 idle = stalled or not core.has_unfinished_requests()
@@ -505,37 +512,40 @@ class LoopTimes:
     Attributes:
         step_started_s: time.monotonic() start of the running step; 0.0 between steps.
         turned_s: time.monotonic() of the loop's last turn.
+        typical_step_s: the loop's slow step (`step_watch.StepWatch.typical_s`), seconds.
     """
 
     def __init__(self) -> None:
         self.step_started_s = 0.0
         self.turned_s = time.monotonic()
+        self.typical_step_s = 0.0
 
-    def mark(self, step_started_s: float) -> None:
+    def mark(self, step_started_s: float, typical_step_s: float = 0.0) -> None:
         """A turn of the loop now, inside a step started at `step_started_s` (0.0: none)."""
+        self.typical_step_s = typical_step_s
         self.turned_s = time.monotonic()  # before the step mark: never a cleared step with
         self.step_started_s = step_started_s  # a turn older than the step
 
-    def read(self) -> tuple[float, float]:
-        """(step_started_s or 0.0, turned_s)."""
-        return self.step_started_s, self.turned_s
+    def read(self) -> tuple[float, float, float]:
+        """(step_started_s or 0.0, turned_s, typical_step_s)."""
+        return self.step_started_s, self.turned_s, self.typical_step_s
 
 
 class SharedLoopTimes:
-    """`LoopTimes` over a shared `multiprocessing.Array("d", 2)` (the engine process writes,
+    """`LoopTimes` over a shared `multiprocessing.Array("d", 3)` (the engine process writes,
     the server process reads): (step start or 0.0, last turn), time.monotonic() seconds, one
-    system-wide clock on Linux."""
+    system-wide clock on Linux, and the typical step in seconds."""
 
     def __init__(self, array: Any) -> None:
         self.array = array
 
-    def mark(self, step_started_s: float) -> None:
+    def mark(self, step_started_s: float, typical_step_s: float = 0.0) -> None:
         """As `LoopTimes.mark`."""
         with self.array.get_lock():
-            self.array[:] = (step_started_s, time.monotonic())
+            self.array[:] = (step_started_s, time.monotonic(), typical_step_s)
 
-    def read(self) -> tuple[float, float]:
-        """As `LoopTimes.read` (0.0, 0.0 before the loop's first turn)."""
+    def read(self) -> tuple[float, float, float]:
+        """As `LoopTimes.read` (zeros before the loop's first turn)."""
         with self.array.get_lock():
-            step_started_s, turned_s = self.array[:]
-        return step_started_s, turned_s
+            step_started_s, turned_s, typical_step_s = self.array[:]
+        return step_started_s, turned_s, typical_step_s

@@ -74,7 +74,7 @@ def run_engine_proc(
 ) -> None:
     """Child process entry: build the engine, send `Ready` or `StartupError`, then run the
     `EngineLoop` over the pipes until `Stop` or the parent goes away; exit code 1 when the
-    loop died. `loop_times` is the shared `multiprocessing.Array("d", 2)` of
+    loop died. `loop_times` is the shared `multiprocessing.Array("d", 3)` of
     `SharedLoopTimes`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -141,7 +141,7 @@ class ProcessTransport:
         ctx = multiprocessing.get_context("spawn")
         cmd_reader, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_writer = ctx.Pipe(duplex=False)
-        array = ctx.Array("d", 2)
+        array = ctx.Array("d", 3)
         self.loop_times = SharedLoopTimes(array)
         self._proc = ctx.Process(
             target=run_engine_proc,

@@ -208,6 +208,17 @@ class ServerLifecycle:
         except Exception:  # noqa: BLE001 - a failing health probe means unhealthy
             return False
 
+    def stall_reason(self) -> str | None:
+        """Why the engine's running step counts as stalled, or None (an engine without the
+        check, or a failing probe: None; `healthy` judges those)."""
+        probe = getattr(self.engine, "stall_reason", None)
+        if probe is None:
+            return None
+        try:
+            return probe()
+        except Exception:  # noqa: BLE001 - the health probe must not fail
+            return None
+
     def admit(self) -> Ticket:
         """Admit one request.
 

@@ -14,7 +14,9 @@ usage and no queue. Likewise the MoE expert surface of /v1/admin (`expert_stats(
 `freeze_expert`, `unfreeze_expert`, `restore_expert`, each async and returning an
 `ExpertStats` or None) and `stats().experts`; without them the admin routes answer no layers.
 Cost and timelines: `stats().busy_s` and `stats().tenant_busy_s` (GPU-seconds, 0 without them)
-and `async prefill_chunks()` (the dashboard's prefill chunks; none without it).
+and `async prefill_chunks()` (the dashboard's prefill chunks; none without it). Health:
+`stall_reason()` (cheap, never blocks: why the running step counts as stalled, or None;
+/health answers 503 "engine_stalled" while it is set; never stalled without it).
 """
 
 from __future__ import annotations

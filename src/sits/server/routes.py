@@ -53,13 +53,18 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
 
 @ops_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
-    """200 while the engine is alive and stepping; 503 when it is not or while draining.
+    """200 while the engine is alive and stepping; 503 when it is not, while draining, or
+    while one step has run past its stall limit ("engine_stalled", with the reason: the
+    engine lives on and the next probe after the step is 200; `sits.engine.step_watch`).
     HEAD answers the same status without a body (load balancers that probe with HEAD)."""
     lifecycle = _ctx(request).lifecycle
     if lifecycle.draining:
         return error_response(draining_error())
     if not lifecycle.healthy():
         return error_response(unavailable("The engine is not running.", "engine_dead"))
+    stalled = lifecycle.stall_reason()
+    if stalled is not None:
+        return error_response(unavailable(f"The engine is stalled: {stalled}.", "engine_stalled"))
     return JSONResponse({"status": "ok"})
 
 
