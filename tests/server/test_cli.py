@@ -83,6 +83,40 @@ def test_api_key_from_flag_or_environment() -> None:
     assert resolve_api_key(_parse([]), {"SITS_API_KEY": ""}) is None
 
 
+@pytest.mark.parametrize(
+    ("flag", "env", "resolve"),
+    [
+        ("api-key", "SITS_API_KEY", "resolve_api_key"),
+        ("admin-key", "SITS_ADMIN_KEY", "resolve_admin_key"),
+        ("router-key", "SITS_ROUTER_KEY", "resolve_router_key"),
+    ],
+)
+def test_keys_from_a_file_stay_off_the_command_line(tmp_path, capsys, flag, env, resolve) -> None:
+    """Each key flag has a --X-file twin (trailing newline stripped; before the environment;
+    not with the flag), an unreadable file is a named error, and --help says the flag shows
+    in `ps`."""
+    from sits.cli import fleet_flags, serve
+
+    fn = getattr(serve, resolve, None) or getattr(fleet_flags, resolve)
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    args = _parse([f"--{flag}-file", str(key_file)])
+    assert fn(args, {env: "from-env"}) == "s3cret"
+    key_file.write_text("")
+    assert fn(args, {env: "from-env"}) is None  # an empty key means none, as before
+    with pytest.raises(InvalidParameterError, match=f"cannot read --{flag}-file") as err:
+        fn(_parse([f"--{flag}-file", str(tmp_path / "missing")]), {})
+    assert err.value.param == f"{flag.replace('-', '_')}_file"
+    with pytest.raises(SystemExit):
+        _parse([f"--{flag}", "k", f"--{flag}-file", str(key_file)])
+    assert "not allowed with argument" in capsys.readouterr().err
+    parser = argparse.ArgumentParser(prog="sits")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    (action,) = [a for a in serve_parser._actions if f"--{flag}" in a.option_strings]
+    assert f"prefer --{flag}-file or ${env}" in " ".join(action.help.split())
+
+
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("sits_cache"))

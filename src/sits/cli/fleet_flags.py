@@ -21,6 +21,7 @@ import argparse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from sits.cli.key_flags import add_secret_args, resolve_secret
 from sits.config import ROUTER_KEY_ENV
 from sits.core.errors import InvalidParameterError
 from sits.core.fleet import DEFAULT_VERSION_LABEL
@@ -48,12 +49,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "heartbeat with this server's load every 2 s; deregister on SIGTERM. Needs the router "
         f"key (--router-key or ${ROUTER_KEY_ENV})",
     )
-    group.add_argument(
-        "--router-key",
-        default=None,
-        metavar="KEY",
-        help=f"the fleet router's bearer key (also ${ROUTER_KEY_ENV}): used for registration, "
-        "and requests with this key may name their tenant in the x-sits-tenant header",
+    add_secret_args(
+        group,
+        "router-key",
+        ROUTER_KEY_ENV,
+        "the fleet router's bearer key: used for registration, and requests with this key may "
+        "name their tenant in the x-sits-tenant header",
     )
     group.add_argument(
         "--advertise-url",
@@ -93,9 +94,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_router_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """--router-key, else $SITS_ROUTER_KEY, else None (an empty value means no key)."""
-    key = args.router_key if args.router_key is not None else environ.get(ROUTER_KEY_ENV)
-    return key or None
+    """--router-key, else --router-key-file, else $SITS_ROUTER_KEY, else None (an empty value
+    means no key). Raises InvalidParameterError: an unreadable key file."""
+    return resolve_secret(args, "router-key", ROUTER_KEY_ENV, environ)
 
 
 def registration_arg(

@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from sits.cli.key_flags import add_secret_args, resolve_secret
 from sits.config import ROUTER_KEY_ENV, env_values
 from sits.router.canary import CanaryConfig
 from sits.router.settings import DEFAULT_FALLBACK_P99_S, DEFAULT_LOAD_BOUND, DEFAULT_MAX_ATTEMPTS
@@ -53,10 +54,10 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tenants.toml (the format of sits serve --tenants): authenticate clients and apply "
         "their request and token rate limits once for the whole fleet; needs --router-key",
     )  # fmt: skip
-    p.add_argument(
-        "--router-key", default=None,
-        help=f"key of registration, heartbeats and /v1/router/* (also ${ROUTER_KEY_ENV}); "
-        "replicas trust the tenant the router forwards only from this key",
+    add_secret_args(
+        p, "router-key", ROUTER_KEY_ENV,
+        "key of registration, heartbeats and /v1/router/*; replicas trust the tenant the "
+        "router forwards only from this key",
     )  # fmt: skip
     p.add_argument(
         "--fallback-p99-ms", type=float, default=DEFAULT_FALLBACK_P99_S * 1000, metavar="MS",
@@ -168,9 +169,9 @@ def router_settings(args: argparse.Namespace, environ: dict[str, str] | Any) -> 
         max_tpot_p95_ratio=args.canary_max_tpot_ratio,
         max_error_rate_delta=args.canary_max_error_delta,
     )
-    key = args.router_key if args.router_key is not None else environ.get(ROUTER_KEY_ENV)
+    key = resolve_secret(args, "router-key", ROUTER_KEY_ENV, environ)
     return RouterSettings(
-        router_key=key or None,
+        router_key=key,
         replicas=tuple(args.replica),
         fallbacks=tuple(args.fallback),
         canaries=tuple(args.canary),

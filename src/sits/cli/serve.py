@@ -3,8 +3,9 @@
 `add_serve_parser(subparsers)` declares the subcommand; `run_serve(args)` loads the engine,
 builds the app and serves until SIGTERM (exit 0 after the drain) or engine death (exit 1).
 With no model the built-in demo model `sits-demo` is served (`sits.demo`). The API key comes
-from --api-key or else the SITS_API_KEY environment variable, read here at run time; the
-admin key of /v1/admin (which also protects /dashboard/data) likewise from --admin-key or else
+from --api-key, --api-key-file or else the SITS_API_KEY environment variable, read here at run
+time (`cli.key_flags`: the file and the variable keep it out of `ps`); the admin key of
+/v1/admin (which also protects /dashboard/data) likewise from --admin-key, --admin-key-file or
 SITS_ADMIN_KEY.
 With `--tenants tenants.toml` the tenants (keys, tiers, limits, SLOs) are loaded before any
 model work; a malformed file exits 2 with the file, line and field named, and an API key
@@ -38,6 +39,7 @@ from sits.cli.fleet_flags import (
     registration_arg,
     resolve_router_key,
 )
+from sits.cli.key_flags import add_secret_args, resolve_secret
 from sits.cli.tp_check import check_tensor_parallel_fit
 from sits.config import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, TRACING_ENVS, env_values
 from sits.core.errors import InvalidParameterError
@@ -68,15 +70,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 0-65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, help="name clients use as `model`")
-    p.add_argument("--api-key", default=None, help=f"require this bearer key (also ${API_KEY_ENV})")
-    p.add_argument(
-        "--admin-key",
-        default=None,
-        help=f"enable /v1/admin (MoE expert stats, freeze/unfreeze; the weights' precision "
-        f"with --precision-switch) with this bearer key (also "
-        f"${ADMIN_KEY_ENV}); the key also protects the dashboard's data, /dashboard/data (401 "
-        "without it, 403 with a wrong one). Without it the admin routes answer 404 and "
-        "/dashboard/data is open, like /metrics",
+    add_secret_args(p, "api-key", API_KEY_ENV, "require this bearer key")
+    add_secret_args(
+        p,
+        "admin-key",
+        ADMIN_KEY_ENV,
+        "enable /v1/admin (MoE expert stats, freeze/unfreeze; the weights' precision with "
+        "--precision-switch) with this bearer key; the key also protects the dashboard's data, "
+        "/dashboard/data (401 without it, 403 with a wrong one). Without it the admin routes "
+        "answer 404 and /dashboard/data is open, like /metrics",
     )
     p.add_argument(
         "--expert-freeze-after",
@@ -107,7 +109,31 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--audit-log",
         default=None,
         metavar="PATH",
-        help="write one tamper-evident record per finished request to PATH (`sits audit verify`)",
+        help="write one tamper-evident record per finished request (and per refused "
+        "generation request) to PATH, mode 0600 (`sits audit verify`)",
+    )
+    p.add_argument(
+        "--audit-key-file",
+        default=None,
+        metavar="PATH",
+        help="the audit key (>= 16 bytes, mode 0600, kept outside the log): records are "
+        "HMAC-SHA256-chained and inputs HMAC-hashed with it, checkpoints signed; without it the "
+        "chain is plain SHA-256 and cannot reveal a rewritten or cut tail",
+    )
+    p.add_argument(
+        "--audit-checkpoint-file",
+        default=None,
+        metavar="PATH",
+        help="append a checkpoint (record count, head hash, time; signed with the key) to PATH "
+        "every --audit-checkpoint-interval records and at shutdown; keep it out of the "
+        "server's reach (`sits audit verify --checkpoints`)",
+    )
+    p.add_argument(
+        "--audit-checkpoint-interval",
+        type=int,
+        default=100,
+        metavar="N",
+        help="records between two audit checkpoints (default 100)",
     )
     p.add_argument(
         "--audit-top-logprobs",
@@ -126,7 +152,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--audit-store-input",
         action="store_true",
-        help="store the input text itself in the audit log (else only its SHA-256)",
+        help="store the input text itself in the audit log (else only its keyed HMAC)",
     )
     p.add_argument(
         "--gpu-price-per-hour",
@@ -317,15 +343,15 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """--api-key, else $SITS_API_KEY, else None (an empty value means no key)."""
-    key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
-    return key or None
+    """--api-key, else --api-key-file, else $SITS_API_KEY, else None (an empty value means no
+    key). Raises InvalidParameterError: an unreadable key file."""
+    return resolve_secret(args, "api-key", API_KEY_ENV, environ)
 
 
 def resolve_admin_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """--admin-key, else $SITS_ADMIN_KEY, else None (an empty value means no admin routes)."""
-    key = args.admin_key if args.admin_key is not None else environ.get(ADMIN_KEY_ENV)
-    return key or None
+    """--admin-key, else --admin-key-file, else $SITS_ADMIN_KEY, else None (an empty value
+    means no admin routes). Raises InvalidParameterError: an unreadable key file."""
+    return resolve_secret(args, "admin-key", ADMIN_KEY_ENV, environ)
 
 
 def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -358,11 +384,26 @@ def load_tenants_arg(path: str | None, api_key: str | None) -> TenantsConfig | N
 
 
 def audit_settings_arg(args: argparse.Namespace) -> Any:
-    """The `AuditSettings` of the --audit-* flags (None without --audit-log)."""
+    """The `AuditSettings` of the --audit-* flags (None without --audit-log).
+
+    Raises:
+        InvalidParameterError: a key or checkpoint flag without --audit-log, a checkpoint
+            interval below 1, top logprobs out of range, or a bad key file (`load_key_file`:
+            missing, empty, too short, open to other users).
+    """
+    from sits.obs.audit_keys import load_key_file
     from sits.obs.request_audit import AuditSettings
 
     if args.audit_log is None:
+        for flag in ("audit_key_file", "audit_checkpoint_file"):
+            if getattr(args, flag) is not None:
+                raise InvalidParameterError(flag, f"--{flag.replace('_', '-')} needs --audit-log")
         return None
+    if args.audit_checkpoint_interval < 1:
+        raise InvalidParameterError(
+            "audit_checkpoint_interval",
+            f"--audit-checkpoint-interval must be >= 1, got {args.audit_checkpoint_interval}",
+        )
     if not 0 <= args.audit_top_logprobs <= MAX_LOGPROBS:
         raise InvalidParameterError(
             "audit_top_logprobs",
@@ -373,6 +414,9 @@ def audit_settings_arg(args: argparse.Namespace) -> Any:
         top_logprobs=args.audit_top_logprobs,
         max_file_bytes=args.audit_max_file_bytes,
         store_input=args.audit_store_input,
+        key=None if args.audit_key_file is None else load_key_file(args.audit_key_file),
+        checkpoint_path=args.audit_checkpoint_file,
+        checkpoint_every_records=args.audit_checkpoint_interval,
     )
 
 
@@ -444,14 +488,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model and args.model_tag and args.model != args.model_tag:
         print("error: give the model once (positional MODEL or --model)", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    api_key = resolve_api_key(args, env_values(API_KEY_ENV))
-    router_key = resolve_router_key(args, env_values(ROUTER_KEY_ENV))
     try:
+        api_key = resolve_api_key(args, env_values(API_KEY_ENV))
+        admin_key = resolve_admin_key(args, env_values(ADMIN_KEY_ENV))
+        router_key = resolve_router_key(args, env_values(ROUTER_KEY_ENV))
         tenants = load_tenants_arg(args.tenants, api_key)
         registration = registration_arg(args, router_key)
         fault_injection = fault_injection_arg(args)
         precision_policy = precision_policy_arg(args)
         tracing = tracing_settings_arg(args, env_values(*TRACING_ENVS))
+        audit = audit_settings_arg(args)  # a bad key file is refused before the model loads
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation and a busy port are refused here, before the
         # model loads.
@@ -507,8 +553,8 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         tenants=tenants,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        audit=audit_settings_arg(args),
-        admin_key=resolve_admin_key(args, env_values(ADMIN_KEY_ENV)),
+        audit=audit,
+        admin_key=admin_key,
         tracing=tracing,
         gpu_price_per_hour=args.gpu_price_per_hour,
         router_key=router_key,
