@@ -1,4 +1,5 @@
-"""SIGTERM on a real `sits serve` process with live streams: drain, 503s, exit 0."""
+"""SIGTERM on a real `sits serve` process with live streams: drain, 503s with Retry-After,
+exit 0; a second SIGTERM cuts the streams with their error event and exits 1."""
 
 from __future__ import annotations
 
@@ -111,6 +112,7 @@ def _refused_while_draining(base_url: str) -> None:
         f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=HANG_S
     )
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "draining"
+    assert resp.headers["retry-after"] == "1"  # a client or gateway retries elsewhere soon
 
 
 def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
@@ -144,6 +146,32 @@ def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
     error = json.loads(stream.events[-2])["error"]
     assert error["code"] == "draining" and error["type"] == "service_unavailable_error"
     assert server.proc.wait(HANG_S) == 0
+
+
+def test_a_second_sigterm_cuts_streams_with_their_error_event_and_exits_1(serve_factory) -> None:
+    """The trial: a second SIGTERM closed streams without an error event and exited 0. It now
+    fails every open stream with the draining error (then [DONE]) and exits 1."""
+    server = serve_factory(shutdown_timeout_s=HANG_S)  # the drain alone would wait
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    streams = _start_streams(server.base_url, body, 2)
+    server.proc.send_signal(signal.SIGTERM)
+    _refused_while_draining(server.base_url)
+    server.proc.send_signal(signal.SIGTERM)
+    for stream in streams:
+        stream.join(HANG_S)
+        assert stream.error is None
+        assert stream.events[-1] == "[DONE]"
+        assert json.loads(stream.events[-2])["error"]["code"] == "draining"
+    assert server.proc.wait(HANG_S) == 1
+
+
+def test_the_default_drain_ends_inside_a_30_s_kill_grace_period() -> None:
+    from sits.cli.main import build_parser
+    from sits.server.context import _CUT_STREAMS_FLUSH_S
+    from sits.server.uvicorn_server import _GRACEFUL_CLOSE_S
+
+    args = build_parser().parse_args(["serve"])
+    assert args.shutdown_timeout + _CUT_STREAMS_FLUSH_S + _GRACEFUL_CLOSE_S < 30
 
 
 def test_a_signal_after_the_engines_death_is_noted_then_a_second_one_forces() -> None:

@@ -298,12 +298,20 @@ class ServerLifecycle:
         except TimeoutError:
             pass
         logger.warning("drain timeout: cutting %d open request(s)", len(self._jobs))
+        await self.cut_open_requests()
+        return False
+
+    async def cut_open_requests(self) -> None:
+        """Refuse new requests and fail every open one with the draining error (a stream
+        ends with its error event), then wait up to `_CUT_STREAMS_FLUSH_S` for the handlers
+        to write them. Idempotent."""
+        self.draining = True
+        self.drain_started.set()
         self.cut = True
         for job in list(self._jobs):
             job.fail(draining_error())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), _CUT_STREAMS_FLUSH_S)
-        return False
 
     async def stop(self) -> None:
         """Stop the health monitor."""

@@ -73,9 +73,16 @@ def unavailable(message: str, code: str) -> ServerError:
     return ServerError(503, message, type="service_unavailable_error", code=code)
 
 
+DRAINING_RETRY_AFTER_S = 1  # another replica (or this one's successor) can take it now
+
+
 def draining_error() -> ServerError:
-    """503 for requests that arrive (or are cut) while the server shuts down."""
-    return unavailable("The server is shutting down; retry on another replica.", "draining")
+    """503 for requests that arrive (or are cut) while the server shuts down, with
+    Retry-After (`DRAINING_RETRY_AFTER_S`): clients and gateways that honour it retry soon,
+    behind a load balancer on another replica."""
+    err = unavailable("The server is shutting down; retry on another replica.", "draining")
+    err.headers = {"Retry-After": str(DRAINING_RETRY_AFTER_S)}
+    return err
 
 
 def unsupported(param: str, message: str) -> ServerError:
@@ -108,8 +115,12 @@ def error_body(err: ServerError) -> dict[str, Any]:
 
 
 def error_response(err: ServerError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """A JSONResponse carrying `err` with its status."""
-    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+    """A JSONResponse carrying `err` with its status and `headers` (default: err.headers)."""
+    return JSONResponse(
+        error_body(err),
+        status_code=err.status,
+        headers=headers if headers is not None else err.headers,
+    )
 
 
 _SEND_JSON = "send a JSON object with the header Content-Type: application/json"

@@ -1,9 +1,14 @@
 """Running an app under uvicorn with sits' shutdown rules.
 
 - The first SIGTERM (or SIGINT) starts a drain instead of uvicorn's immediate stop: the
-  listening socket stays open so new requests get a 503 rather than a refused connection,
-  admitted requests finish for up to `shutdown_timeout_s`, open streams are then cut with a
-  final error event, and the process exits 0. A second signal stops at once.
+  listening socket stays open so new requests get a 503 (with Retry-After) rather than a
+  refused connection, admitted requests finish for up to `shutdown_timeout_s`, open streams
+  are then cut with a final error event, and the process exits 0. A second signal stops at
+  once, not cleanly: every open stream still gets its error event (up to
+  `_CUT_STREAMS_FLUSH_S` to write them), and the process exits `FORCED_EXIT_CODE` (1), so a
+  supervisor knows requests were cut short. The default drain (20 s of `--shutdown-timeout`,
+  2 s to flush cut streams, 5 s for uvicorn to close connections) ends inside the usual 30 s
+  between SIGTERM and SIGKILL (Kubernetes' default terminationGracePeriodSeconds).
 - When the engine dies, the lifecycle calls `fatal(code)`: open requests have already been
   failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
   process; the first signal that arrives meanwhile is only noted, a second one stops at once.
@@ -33,13 +38,15 @@ logger = logging.getLogger(__name__)
 
 # After the drain, uvicorn waits this long for connections to finish before cancelling them.
 _GRACEFUL_CLOSE_S = 5.0
+FORCED_EXIT_CODE = 1  # a second signal cut the drain short
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains the lifecycle before stopping.
 
     Attributes:
-        exit_code: 0 after a drain (clean or cut), the engine-death code after `fatal`.
+        exit_code: 0 after a drain (clean or cut), the engine-death code after `fatal`,
+            FORCED_EXIT_CODE after a second signal.
         drained_cleanly: None until a drain ends, then whether nothing had to be cut.
     """
 
@@ -75,9 +82,13 @@ class DrainingServer(uvicorn.Server):
             logger.info("signal %s: already stopping (the engine died)", signal.Signals(sig).name)
             return
         if self._drain_task is not None or self.should_exit or self._loop is None:
-            logger.warning("second signal %s: stopping without waiting", sig)
-            self.force_exit = True
-            self.should_exit = True
+            logger.warning("second signal %s: cutting open requests and stopping", sig)
+            if self._loop is None or self.exit_code != 0:
+                self.force_exit = True  # nothing to cut: the engine's death failed them
+                self.should_exit = True
+                return
+            self.exit_code = FORCED_EXIT_CODE
+            self._loop.call_soon_threadsafe(self._start_force)
             return
         logger.info("signal %s: draining before exit", signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(self.start_drain)
@@ -91,6 +102,19 @@ class DrainingServer(uvicorn.Server):
         try:
             self.drained_cleanly = await self.lifecycle.drain()
         finally:
+            self.should_exit = True
+
+    def _start_force(self) -> None:
+        """The second signal, on the event loop: cut every open request with its error
+        event, give the streams a moment to write it, then stop without waiting."""
+        asyncio.ensure_future(self._force())
+
+    async def _force(self) -> None:
+        try:
+            self.drained_cleanly = False
+            await self.lifecycle.cut_open_requests()
+        finally:
+            self.force_exit = True
             self.should_exit = True
 
     def fatal(self, exit_code: int) -> None:
