@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sits.obs.audit import AuditRecord, AuditSample, AuditTimings, AuditToken
+from sits.obs.audit import AuditRecord, AuditSample, AuditTimings, AuditToken, InputDigest
 from sits.obs.audit_writer import AuditWriter, AuditWriterConfig
 
 T0_UNIX_S = 1_700_000_000.0
+TEST_SALT = bytes(range(32))
+TEST_DIGEST = InputDigest(TEST_SALT)  # for bodies built outside a writer
 
 
 def make_record(i: int, tenant: str = "acme", text: str | None = None) -> AuditRecord:

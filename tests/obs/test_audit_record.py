@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 
 from sits.core.outputs import CompletionOutput, Logprob
@@ -15,16 +16,23 @@ from sits.obs.audit import (
     seal,
     to_jsonable,
 )
-from tests.obs.records import T0_UNIX_S, make_record, write_log
+from tests.obs.records import T0_UNIX_S, TEST_DIGEST, TEST_SALT, make_record, write_log
 
 
 def test_body_fields_and_input_policy() -> None:
-    stored = make_record(2).to_body()  # even i: the tenant allows storing the input
-    hidden = make_record(3).to_body()
+    stored = make_record(2).to_body(TEST_DIGEST)  # even i: the tenant allows storing the input
+    hidden = make_record(3).to_body(TEST_DIGEST)
     assert stored["input"] == "prompt 2"
-    assert hidden["input"] is None
-    assert hidden["input_sha256"] == hashlib.sha256(b"prompt 3").hexdigest()
-    assert hidden["prompt_token_ids_sha256"] == hashlib.sha256(b"[1,2,3,3]").hexdigest()
+    assert hidden["input"] is None and hidden["kind"] == "request"
+
+    def keyed(data: bytes) -> str:
+        return hmac.new(TEST_SALT, data, hashlib.sha256).hexdigest()
+
+    # keyed hashes, never a plain SHA-256 a guessed prompt could be checked against
+    assert hidden["input_hmac"] == keyed(b"prompt 3")
+    assert hidden["prompt_token_ids_hmac"] == keyed(b"[1,2,3,3]")
+    assert hashlib.sha256(b"prompt 3").hexdigest() not in json.dumps(hidden)
+    assert "input_sha256" not in hidden
     assert hidden["num_prompt_tokens"] == 4
     assert hidden["time"] == "2023-11-14T22:13:24.250000Z"  # finish = T0 + 3 + 1.25
     assert hidden["timings"] == {
@@ -45,13 +53,16 @@ def test_body_fields_and_input_policy() -> None:
     assert hidden["trace_id"] == "0" * 31 + "3"
 
 
-def test_hash_is_sha256_of_prev_plus_canonical_body(log_path) -> None:
+def test_unkeyed_hash_is_sha256_of_prev_plus_canonical_body(log_path) -> None:
     write_log(log_path, 3)
     lines = log_path.read_bytes().splitlines()
     prev = GENESIS_HASH
-    for raw in lines:
+    header = json.loads(lines[0])
+    assert header["kind"] == "header" and header["chain"] == "sha256"
+    assert header["key_id"] is None and len(bytes.fromhex(header["input_salt"])) == 32
+    for seq, raw in enumerate(lines):
         record = json.loads(raw)
-        assert record["prev_hash"] == prev
+        assert record["prev_hash"] == prev and record["seq"] == seq
         body = {k: v for k, v in record.items() if k != "hash"}
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         assert record["hash"] == hashlib.sha256((prev + text).encode()).hexdigest()

@@ -1,5 +1,5 @@
 """The background writer: exactly-once under concurrency, drops, fsync batching, rotation,
-restart and crash recovery."""
+restart and crash recovery (keys, checkpoints and file modes: test_audit_keyed.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from sits.obs.audit import GENESIS_HASH, AuditLogError, audit_series
+from sits.obs.audit import AuditLogError, audit_series
 from sits.obs.audit_verify import verify_log
 from sits.obs.audit_writer import AuditWriter, AuditWriterConfig
 from tests.obs.records import make_record, write_log
 
 
 def _records(path) -> list[dict]:
+    """Every record of the series, headers included."""
     out = []
     for file_path in audit_series(path):
         with open(file_path, "rb") as f:
             out += [json.loads(line) for line in f]
     return out
+
+
+def _requests(path) -> list[dict]:
+    """The request records of the series (no headers)."""
+    return [r for r in _records(path) if r["kind"] != "header"]
 
 
 def test_concurrent_producers_each_record_once(log_path, open_writer) -> None:
@@ -38,13 +44,15 @@ def test_concurrent_producers_each_record_once(log_path, open_writer) -> None:
     for th in threads:
         th.join()
     writer.close()
-    ids = [r["request_id"] for r in _records(log_path)]
+    ids = [r["request_id"] for r in _requests(log_path)]
     expected = {f"req-{t * 1000 + j}" for t in range(num_threads) for j in range(per_thread)}
     assert len(ids) == num_threads * per_thread and set(ids) == expected
     stats = writer.stats()
     assert (stats.num_submitted, stats.num_written, stats.num_dropped) == (320, 320, 0)
     result = verify_log(log_path)
-    assert result.ok and result.num_records == 320 and result.last_hash == stats.last_hash
+    assert result.ok and result.num_records == 321 and result.last_hash == stats.last_hash
+    assert (result.num_headers, result.num_requests) == (1, 320)
+    assert [r["seq"] for r in _records(log_path)] == list(range(321))
 
 
 class _BlockingRecord:
@@ -54,10 +62,10 @@ class _BlockingRecord:
         self.request_id = "blocker"
         self._started, self._release = started, release
 
-    def to_body(self) -> dict:
+    def to_body(self, digest) -> dict:
         self._started.set()
         assert self._release.wait(30)
-        return make_record(0).to_body() | {"request_id": "blocker"}
+        return make_record(0).to_body(digest) | {"request_id": "blocker"}
 
 
 def test_full_queue_drops_counts_and_calls_hook(log_path) -> None:
@@ -73,7 +81,7 @@ def test_full_queue_drops_counts_and_calls_hook(log_path) -> None:
     writer.close()
     assert dropped == ["req-2"]
     assert writer.stats().num_dropped == 1
-    assert [r["request_id"] for r in _records(log_path)] == ["blocker", "req-1"]
+    assert [r["request_id"] for r in _requests(log_path)] == ["blocker", "req-1"]
     assert not writer.submit(make_record(3))  # closed
     assert dropped == ["req-2", "req-3"]
 
@@ -83,7 +91,7 @@ def test_fsync_batching_by_count(log_path, open_writer) -> None:
     for i in range(12):
         writer.submit(make_record(i))
     writer.close()
-    assert writer.stats().num_fsyncs == 3  # after records 5 and 10, then at close
+    assert writer.stats().num_fsyncs == 3  # after lines 5 and 10 (the header first), at close
 
 
 def test_fsync_batching_by_time(log_path) -> None:
@@ -107,13 +115,15 @@ def test_rotation_keeps_one_chain(log_path) -> None:
     files = audit_series(log_path)
     assert files[-1] == str(log_path) and files[0] == f"{log_path}.1"
     assert len(files) >= 4
-    records = _records(log_path)
-    assert [r["request_id"] for r in records] == [f"req-{i}" for i in range(10)]
+    assert [r["request_id"] for r in _requests(log_path)] == [f"req-{i}" for i in range(10)]
     result = verify_log(log_path)
-    assert result.ok and result.num_records == 10 and len(result.files) == len(files)
+    assert result.ok and result.num_records == 10 + len(files) and len(result.files) == len(files)
     first_of_second = json.loads(Path(files[1]).read_bytes().splitlines()[0])
     last_of_first = json.loads(Path(files[0]).read_bytes().splitlines()[-1])
+    assert first_of_second["kind"] == "header"  # every file starts with its own header
     assert first_of_second["prev_hash"] == last_of_first["hash"]
+    salts = {json.loads(Path(p).read_bytes().splitlines()[0])["input_salt"] for p in files}
+    assert len(salts) == len(files)  # a fresh salt per file
 
 
 def test_restart_continues_chain_across_rotation(log_path) -> None:
@@ -122,14 +132,17 @@ def test_restart_continues_chain_across_rotation(log_path) -> None:
     with AuditWriter(AuditWriterConfig(path=str(log_path))) as writer:
         assert writer.last_hash == head
         writer.submit(make_record(3))
-    records = _records(log_path)
-    assert records[3]["prev_hash"] == head
+    requests = _requests(log_path)
+    assert requests[3]["prev_hash"] == head
+    assert [r["kind"] for r in _records(log_path)] == ["header"] + ["request"] * 4
     # an empty active file after a rotation continues from the newest rotated file
     log_path.rename(f"{log_path}.1")
     log_path.touch()
     write_log(log_path, 1)
-    assert _records(log_path)[-1]["prev_hash"] == records[3]["hash"]
-    assert verify_log(log_path).num_records == 5
+    new_header, last = _records(log_path)[-2:]
+    assert new_header["kind"] == "header" and new_header["prev_hash"] == requests[3]["hash"]
+    assert last["prev_hash"] == new_header["hash"] and last["seq"] == 6
+    assert verify_log(log_path).num_records == 7
 
 
 def test_restart_counts_existing_bytes_for_rotation(log_path) -> None:
@@ -137,7 +150,7 @@ def test_restart_counts_existing_bytes_for_rotation(log_path) -> None:
     write_log(log_path, 3, max_file_bytes=3000)
     sizes = [Path(p).stat().st_size for p in audit_series(log_path)]
     assert len(sizes) == 2 and max(sizes) <= 3000
-    assert verify_log(log_path).num_records == 4
+    assert verify_log(log_path).num_records == 4 + 2
 
 
 def test_restart_after_torn_tail_moves_it_aside(log_path) -> None:
@@ -149,8 +162,8 @@ def test_restart_after_torn_tail_moves_it_aside(log_path) -> None:
     torn = list(log_path.parent.glob("audit.log.torn-*"))
     assert len(torn) == 1 and torn[0].read_bytes() == data[cut - 40 : cut]
     result = verify_log(log_path)
-    assert result.ok and result.torn_tail is None and result.num_records == 5
-    assert [r["request_id"] for r in _records(log_path)] == [
+    assert result.ok and result.torn_tail is None and result.num_records == 1 + 5
+    assert [r["request_id"] for r in _requests(log_path)] == [
         "req-0", "req-1", "req-2", "req-0", "req-1"
     ]  # fmt: skip
 
@@ -160,7 +173,7 @@ def test_restart_completes_record_missing_only_newline(log_path) -> None:
     log_path.write_bytes(log_path.read_bytes()[:-1])
     write_log(log_path, 1)
     assert list(log_path.parent.glob("audit.log.torn-*")) == []
-    assert verify_log(log_path).num_records == 3
+    assert verify_log(log_path).num_records == 1 + 3
 
 
 def test_refuses_corrupt_last_line_and_second_writer(log_path, open_writer) -> None:
@@ -174,7 +187,7 @@ def test_refuses_corrupt_last_line_and_second_writer(log_path, open_writer) -> N
     # the lock was released by the failed open: a good log opens again
     log_path.unlink()
     with AuditWriter(AuditWriterConfig(path=str(log_path))) as writer:
-        assert writer.last_hash == GENESIS_HASH
+        assert writer.stats().num_records == 1  # its header
 
 
 def test_config_validation() -> None:

@@ -17,7 +17,7 @@ from sits.cli.serve import main as serve_main
 from sits.core.errors import InvalidParameterError
 from sits.core.precision import PrecisionState
 from sits.obs import AuditRecord, AuditTimings, find_records, verify_log
-from sits.obs.audit import GENESIS_HASH, encode_line, seal
+from sits.obs.audit import GENESIS_HASH, InputDigest, encode_line, seal
 from sits.server.precision import PrecisionCollector, PrecisionSwitcher
 
 OVERLOAD = PrecisionPolicySettings(PrecisionPolicyKind.OVERLOAD, red_s=5.0, green_s=30.0)
@@ -130,11 +130,12 @@ def _record(request_id: str, **precision: object) -> AuditRecord:
 
 def test_audit_records_with_and_without_the_precision_fields(tmp_path) -> None:
     """A log whose first record predates the precision fields still verifies and reads."""
-    old = _record("old").to_body()
+    digest = InputDigest(bytes(32))
+    old = _record("old").to_body(digest)
     del old["precision"], old["precision_switches"]
-    new = _record("new", precision="int4", precision_switches=2).to_body()
+    new = _record("new", precision="int4", precision_switches=2).to_body(digest)
     assert (new["precision"], new["precision_switches"]) == ("int4", 2)
-    plain = _record("plain").to_body()
+    plain = _record("plain").to_body(digest)
     assert (plain["precision"], plain["precision_switches"]) == (None, 0)
     first = seal(old, GENESIS_HASH)
     second = seal(new, first["hash"])

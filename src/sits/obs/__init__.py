@@ -14,6 +14,7 @@ from sits.obs.audit import (
     GENESIS_HASH,
     AuditLogError,
     AuditRecord,
+    AuditRefusal,
     AuditSample,
     AuditTimings,
     AuditToken,
@@ -22,6 +23,7 @@ from sits.obs.audit import (
     samples_from_outputs,
     to_jsonable,
 )
+from sits.obs.audit_keys import AuditKey, load_key_file
 from sits.obs.audit_verify import (
     BreakReason,
     ChainBreak,
@@ -36,7 +38,9 @@ from sits.obs.audit_writer import AuditWriter, AuditWriterConfig, AuditWriterSta
 __all__ = [
     "GENESIS_HASH",
     "AuditLogError",
+    "AuditKey",
     "AuditRecord",
+    "AuditRefusal",
     "AuditSample",
     "AuditTimings",
     "AuditToken",
@@ -51,6 +55,7 @@ __all__ = [
     "chain_hash",
     "find_records",
     "find_request_records",
+    "load_key_file",
     "samples_from_outputs",
     "to_jsonable",
     "verify_log",

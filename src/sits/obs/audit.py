@@ -1,16 +1,27 @@
-"""Audit record type, canonical encoding and the SHA-256 hash chain of the audit log.
+"""Audit record types, canonical encoding and the hash chain of the audit log.
 
-One finished request becomes one JSON line. The line is the canonical JSON of the record
-(`canonical_json`: sorted keys, no spaces, UTF-8, no NaN) including two chain fields:
+One finished request becomes one JSON line (`AuditRecord`); a generation request answered with
+an error status becomes one too (`AuditRefusal`); every file of the log starts with a header
+record (`header_body`). The line is the canonical JSON of the record (`canonical_json`: sorted
+keys, no spaces, UTF-8, no NaN) including three chain fields:
 
+    seq       = the record's 0-based position in the whole chain (headers included)
     prev_hash = the `hash` of the previous line (GENESIS_HASH for the very first record)
-    hash      = sha256_hex(prev_hash + canonical_json(record without "hash"))
+    hash      = HMAC-SHA256(chain key, prev_hash + canonical_json(record without "hash"))
+                with a key (`sits.obs.audit_keys`), else
+                SHA-256(prev_hash + canonical_json(record without "hash")) (an unkeyed log)
+
+The header names the chain ("hmac-sha256" with the key's `key_id`, or "sha256") and, unkeyed,
+the file's random `input_salt`: records store their input text and prompt token ids as
+HMAC-SHA256 under the key's input key, or under that salt (`InputDigest`), never as a plain
+hash, so a guessed prompt cannot be confirmed without the key (or the log's salt).
 
 Invariants:
 - a line's bytes are exactly `canonical_json(record) + "\\n"`, so any changed byte either breaks
   the JSON, changes a value (hash mismatch), or makes the line non-canonical;
 - a rotated series `PATH.1, PATH.2, ..., PATH.k, PATH` (oldest first, see `audit_series`) is one
-  chain: the first record of each file chains to the last record of the file before it.
+  chain: the first record of each file (its header) chains to the last record of the file
+  before it, and `seq` runs on across the files.
 
 This module is pure (no I/O but `audit_series`); the writer thread and the verifier build on it.
 It imports nothing from higher layers: engine objects are read through small Protocols.
@@ -31,11 +42,21 @@ from enum import Enum
 from typing import Any, Protocol
 
 from sits.core.errors import SitsError
+from sits.obs.audit_keys import hmac_hex
 
 GENESIS_HASH = "0" * 64
-SCHEMA = "sits.audit/1"
+SCHEMA = "sits.audit/2"
 HASH_FIELD = "hash"
 PREV_HASH_FIELD = "prev_hash"
+SEQ_FIELD = "seq"
+KIND_FIELD = "kind"
+HEADER_KIND = "header"
+REQUEST_KIND = "request"
+REFUSED_KIND = "refused"
+KEYED_CHAIN = "hmac-sha256"
+UNKEYED_CHAIN = "sha256"
+SALT_BYTES = 32
+MAX_REFUSAL_MESSAGE_CHARS = 500
 
 
 class AuditLogError(SitsError):
@@ -61,23 +82,71 @@ def sha256_hex(data: str | bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def chain_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
-    """`sha256_hex(prev_hash + canonical_json(body))`; `body` must not contain "hash".
+def chain_hash(prev_hash: str, body: Mapping[str, Any], chain_key: bytes | None = None) -> str:
+    """The record hash of `body` after `prev_hash`; `body` must not contain "hash".
 
-    `body` includes its own `prev_hash` field, so the link is covered twice on purpose (the
-    field says where the record claims to sit; the prefix makes the digest depend on it).
+    With `chain_key` (`AuditKey.chain`): HMAC-SHA256(chain_key, UTF-8 of prev_hash +
+    canonical_json(body)); without: SHA-256 of the same bytes. `body` includes its own
+    `prev_hash` field, so the link is covered twice on purpose (the field says where the record
+    claims to sit; the prefix makes the digest depend on it).
+
+    Raises:
+        UnicodeEncodeError: a string holds a lone surrogate.
+        ValueError, TypeError: as `canonical_json`.
     """
     assert HASH_FIELD not in body, "hash the record without its hash field"
-    return sha256_hex(prev_hash + canonical_json(body))
+    data = (prev_hash + canonical_json(body)).encode("utf-8")
+    if chain_key is None:
+        return sha256_hex(data)
+    return hmac_hex(chain_key, data)
 
 
-def seal(body: Mapping[str, Any], prev_hash: str) -> dict[str, Any]:
+def seal(body: Mapping[str, Any], prev_hash: str, chain_key: bytes | None = None) -> dict[str, Any]:
     """Return `body` with `prev_hash` and `hash` added (the record as written to the log)."""
     record = dict(body)
     record.pop(HASH_FIELD, None)
     record[PREV_HASH_FIELD] = prev_hash
-    record[HASH_FIELD] = chain_hash(prev_hash, record)
+    record[HASH_FIELD] = chain_hash(prev_hash, record, chain_key)
     return record
+
+
+class InputDigest:
+    """How a log file stores inputs: HMAC-SHA256 under a key (`AuditKey.inputs`) or under the
+    file's random salt (unkeyed logs; the salt is in the file's header).
+
+    Args:
+        key: the HMAC key (the input key, or the salt's bytes).
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def hex(self, data: str | bytes) -> str:
+        """HMAC-SHA256 of `data` (a str is UTF-8 encoded), 64 hex digits."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return hmac_hex(self._key, data)
+
+
+def header_body(unix_s: float, key_id: str | None, input_salt: str | None) -> dict[str, Any]:
+    """The header record that starts every file of the log (before `seq` and the chain fields).
+
+    Args:
+        unix_s: when the file was started.
+        key_id: the key's id (`AuditKey.key_id`) of a keyed log; None for an unkeyed one.
+        input_salt: hex of the unkeyed file's `SALT_BYTES` random salt; None when keyed.
+    """
+    return {
+        "schema": SCHEMA,
+        KIND_FIELD: HEADER_KIND,
+        "time": utc_iso(unix_s),
+        "chain": UNKEYED_CHAIN if key_id is None else KEYED_CHAIN,
+        "key_id": key_id,
+        "input_hash": "hmac-sha256",
+        "input_salt": input_salt,
+    }
 
 
 def encode_line(record: Mapping[str, Any]) -> bytes:
@@ -243,8 +312,8 @@ class AuditRecord:
         tenant: the tenant id.
         model: the served model name.
         weights_digest: an identifier of the exact weights (e.g. SHA-256 of the safetensors).
-        prompt_token_ids: the prompt as the model saw it; only its SHA-256 and length are kept.
-        input_text: the input text (prompt, or the rendered chat prompt); its SHA-256 is kept.
+        prompt_token_ids: the prompt as the model saw it; only its HMAC and length are kept.
+        input_text: the input text (prompt, or the rendered chat prompt); its HMAC is kept.
         store_input: the tenant's policy allows storing `input_text` itself in the log.
         sampling: the sampling parameters as a JSON-able dict (see `to_jsonable`).
         samples: one entry per sample.
@@ -271,27 +340,30 @@ class AuditRecord:
     precision_switches: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def to_body(self) -> dict[str, Any]:
-        """The JSON-able record without `prev_hash`/`hash`.
+    def to_body(self, digest: InputDigest) -> dict[str, Any]:
+        """The JSON-able record without `seq`/`prev_hash`/`hash`; `digest` is the log file's
+        (`InputDigest`: the key's input key, or the file header's salt).
 
-        Keys: schema, time (UTC ISO 8601 of the finish), request_id, tenant, model,
-        weights_digest, input_sha256 (of the UTF-8 input text; None without text), input (the
-        text only when `store_input`, else None), prompt_token_ids_sha256 (of the canonical JSON
-        list), num_prompt_tokens, sampling, outputs, timings, trace_id, precision,
-        precision_switches, extra. (Records written before the precision switch lack the last
-        two keys; they verify all the same: the chain covers whatever keys a line has.)
+        Keys: schema, kind ("request"), time (UTC ISO 8601 of the finish), request_id, tenant,
+        model, weights_digest, input_hmac (of the UTF-8 input text; None without text), input
+        (the text only when `store_input`, else None), prompt_token_ids_hmac (of the canonical
+        JSON list), num_prompt_tokens, sampling, outputs, timings, trace_id, precision,
+        precision_switches, extra. (Records of older logs lack some keys or carry plain
+        SHA-256s instead of the HMACs; they verify all the same: the chain covers whatever keys
+        a line has.)
         """
         text = self.input_text
         return {
             "schema": SCHEMA,
+            KIND_FIELD: REQUEST_KIND,
             "time": utc_iso(self.timings.finish_unix_s),
             "request_id": self.request_id,
             "tenant": self.tenant,
             "model": self.model,
             "weights_digest": self.weights_digest,
-            "input_sha256": None if text is None else sha256_hex(text),
+            "input_hmac": None if text is None else digest.hex(_valid_unicode(text)),
             "input": text if self.store_input else None,
-            "prompt_token_ids_sha256": sha256_hex(canonical_json(list(self.prompt_token_ids))),
+            "prompt_token_ids_hmac": digest.hex(canonical_json(list(self.prompt_token_ids))),
             "num_prompt_tokens": len(self.prompt_token_ids),
             "sampling": to_jsonable(self.sampling),
             "outputs": [s.to_json() for s in self.samples],
@@ -300,6 +372,66 @@ class AuditRecord:
             "precision": self.precision,
             "precision_switches": self.precision_switches,
             "extra": to_jsonable(self.extra),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRefusal:
+    """A generation request answered with an error status (400, 401, 429, 503, ...): its
+    status and reason, no input and no output.
+
+    Attributes:
+        request_id: the job's id when the engine had started the request (its request records
+            share it), else a fresh id ("refused-" + 24 hex digits: the client got none).
+        tenant: the authenticated tenant's id; None when authentication failed (401).
+        route: method and path, e.g. "POST /v1/completions".
+        status: the HTTP status sent.
+        error_type, error_code, error_param, message: the OpenAI error body's fields (None
+            when absent; the message is cut to `MAX_REFUSAL_MESSAGE_CHARS`).
+        unix_s: when the answer was sent.
+        engine_started: whether the engine had started the request.
+        trace_id: the W3C trace id (32 hex) when the request was traced.
+    """
+
+    request_id: str
+    tenant: str | None
+    route: str
+    status: int
+    error_type: str | None
+    error_code: str | None
+    error_param: str | None
+    message: str | None
+    unix_s: float
+    engine_started: bool = False
+    trace_id: str | None = None
+
+    def to_body(self, digest: InputDigest) -> dict[str, Any]:
+        """The JSON-able record without the chain fields (`digest` is unused: nothing of the
+        request's input is kept).
+
+        Keys: schema, kind ("refused"), time, request_id, tenant, route, status, error (type,
+        code, param, message), engine_started, trace_id.
+        """
+        del digest
+        message = self.message
+        if message is not None and len(message) > MAX_REFUSAL_MESSAGE_CHARS:
+            message = message[:MAX_REFUSAL_MESSAGE_CHARS] + "…"
+        return {
+            "schema": SCHEMA,
+            KIND_FIELD: REFUSED_KIND,
+            "time": utc_iso(self.unix_s),
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "route": self.route,
+            "status": self.status,
+            "error": {
+                "type": self.error_type,
+                "code": self.error_code,
+                "param": self.error_param,
+                "message": message,
+            },
+            "engine_started": self.engine_started,
+            "trace_id": self.trace_id,
         }
 
 

@@ -1,12 +1,20 @@
 """`AuditWriter`: appends sealed audit records to the log from one background thread.
 
 Invariants:
-- only the writer thread touches the file and the chain head, so records are chained in the
-  order they leave the queue, each exactly once;
+- only the writer thread touches the file and the chain head (after the constructor), so
+  records are chained in the order they leave the queue, each exactly once, `seq` counting up;
+- every file of the log starts with a header record (`sits.obs.audit.header_body`): written
+  when a new log or an empty active file is opened and after each rotation; unkeyed, each
+  header carries a fresh random input salt;
 - a line is written with one `write` of `canonical_json(record) + "\\n"`; a failed write is
   truncated away so the file always ends on a complete line (or on a crash's torn tail);
 - at most `fsync_every_records` records or `fsync_interval_s` seconds of records are not yet
   fsynced; `close()` flushes and fsyncs everything queued before it;
+- with a checkpoint file, a checkpoint (`sits.obs.audit_checkpoints`) follows every
+  `checkpoint_every_records` records and `close()`; the log is fsynced before each, so a
+  checkpoint never counts a record a crash could lose;
+- the log, its rotations, the lock and the checkpoint file are created 0600
+  (`sits.obs.audit_files`);
 - one writer per log: an exclusive `flock` on `PATH.lock` is held while open (POSIX).
 
 Queue policy (the caller's side): `submit` never raises and returns quickly. The queue is large
@@ -17,42 +25,63 @@ pressure instead of silent loss), then drops the record, counts it in `num_dropp
 Set `enqueue_timeout_s=0` where even that short wait is unacceptable.
 
 Restart: opening an existing log continues the chain from the last complete line of the newest
-file. A torn last line (crash mid-write) is kept if it is a complete, valid record missing only
-its newline; otherwise its bytes are moved to `PATH.torn-<unix_ns>` and the file is truncated
-to the last complete line (logged as a WARNING).
+file, with the key its header names (`sits.obs.audit_files.recover_head`, which also repairs a
+torn last line).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from sits.core.errors import InvalidParameterError
 from sits.obs.audit import (
-    GENESIS_HASH,
     HASH_FIELD,
-    PREV_HASH_FIELD,
+    SALT_BYTES,
+    SEQ_FIELD,
     AuditLogError,
-    AuditRecord,
+    InputDigest,
     audit_series,
-    chain_hash,
     encode_line,
+    header_body,
     seal,
     to_jsonable,
 )
+from sits.obs.audit_checkpoints import (
+    INTERVAL_REASON,
+    SHUTDOWN_REASON,
+    CheckpointFile,
+    checkpoint_line,
+)
+from sits.obs.audit_files import (
+    PRIVATE_MODE,
+    fsync_dir,
+    open_private_append,
+    recover_head,
+    write_all,
+)
+from sits.obs.audit_keys import AuditKey
 
 logger = logging.getLogger(__name__)
 
 _CLOSE = object()  # queue sentinel
-_TAIL_CHUNK_BYTES = 64 * 1024
+
+
+class AuditEntry(Protocol):
+    """What the writer reads of a record (`AuditRecord`, `AuditRefusal`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def to_body(self, digest: InputDigest) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +95,11 @@ class AuditWriterConfig:
         fsync_every_records: fsync after this many records written since the last fsync.
         fsync_interval_s: fsync records older than this many seconds (checked by the thread).
         max_file_bytes: rotate before a line would grow the active file past this size (a
-            single larger line still goes into a file of its own).
+            single larger line still goes into a file of its own, after its header).
+        key: the audit key (`--audit-key-file`): HMAC chain, keyed input hashes, signed
+            checkpoints; None = an unkeyed SHA-256 chain with salted input hashes.
+        checkpoint_path: the checkpoint file (`--audit-checkpoint-file`); None = none.
+        checkpoint_every_records: records between two checkpoints (`--audit-checkpoint-interval`).
     """
 
     path: str
@@ -75,16 +108,28 @@ class AuditWriterConfig:
     fsync_every_records: int = 64
     fsync_interval_s: float = 1.0
     max_file_bytes: int = 256 * 1024 * 1024
+    key: AuditKey | None = field(default=None, repr=False)
+    checkpoint_path: str | None = None
+    checkpoint_every_records: int = 100
 
     def __post_init__(self) -> None:
         if not self.path:
             raise InvalidParameterError("audit_log", "the audit log path is empty")
-        for name in ("max_queue_records", "fsync_every_records", "max_file_bytes"):
+        names = ("max_queue_records", "fsync_every_records", "max_file_bytes")
+        for name in (*names, "checkpoint_every_records"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(name, f"{name} must be >= 1")
         for name in ("enqueue_timeout_s", "fsync_interval_s"):
             if getattr(self, name) < 0:
                 raise InvalidParameterError(name, f"{name} must be >= 0")
+        if self.checkpoint_path is not None and _same_file(self.checkpoint_path, self.path):
+            raise InvalidParameterError(
+                "audit_checkpoint_file", "the checkpoint file must not be the audit log"
+            )
+
+
+def _same_file(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +138,15 @@ class AuditWriterStats:
 
     Attributes:
         num_submitted: records accepted into the queue.
-        num_written: records written to the file (not necessarily fsynced yet).
+        num_written: records written to the file (not necessarily fsynced yet; headers not
+            counted).
         num_dropped: records lost: queue full, writer closed, or a write/encode error.
         num_fsyncs: fsync calls made.
         num_rotations: files rotated.
+        num_checkpoints: checkpoints written.
         queue_depth: records waiting now.
         last_hash: the chain head (hash of the last written record).
+        num_records: records in the chain, headers included (the next seq).
     """
 
     num_submitted: int
@@ -106,8 +154,10 @@ class AuditWriterStats:
     num_dropped: int
     num_fsyncs: int
     num_rotations: int
+    num_checkpoints: int
     queue_depth: int
     last_hash: str
+    num_records: int
 
 
 class AuditWriter:
@@ -116,9 +166,10 @@ class AuditWriter:
     Usage: `w = AuditWriter(cfg); w.submit(record); ...; w.close()` (or a `with` block).
 
     Raises (constructor):
-        AuditLogError: the log is locked by another writer, or its last complete line is not a
-            valid record (run `sits audit verify` and move the file aside).
-        OSError: the file cannot be created or opened.
+        AuditLogError: the log is locked by another writer, its newest file's header names
+            another key (or none, or one where the config has none), or its last complete line
+            is not a valid record (run `sits audit verify` and move the file aside).
+        OSError: a file cannot be created, opened or written.
     """
 
     def __init__(
@@ -128,6 +179,8 @@ class AuditWriter:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._key = config.key
+        self._chain_key = None if config.key is None else config.key.chain
         self._on_drop = on_drop
         self._clock = clock
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_queue_records)
@@ -138,18 +191,30 @@ class AuditWriter:
         self._num_dropped = 0
         self._num_fsyncs = 0
         self._num_rotations = 0
+        self._num_checkpoints = 0
+        self._num_unsynced = 0
+        self._oldest_unsynced_s = 0.0
         directory = os.path.dirname(os.path.abspath(config.path))
         os.makedirs(directory, exist_ok=True)
         self._lock_fd = _acquire_lock(config.path + ".lock")
+        self._checkpoints: CheckpointFile | None = None
         try:
-            self._last_hash = _recover_head(config.path)
-            self._file = open(config.path, "ab", buffering=0)  # noqa: SIM115 - owned until close()
+            head = recover_head(config.path, config.key)
+            self._file = open_private_append(config.path)
+            if config.checkpoint_path is not None:
+                self._checkpoints = CheckpointFile(config.checkpoint_path)
+            self._size_bytes = self._file.seek(0, os.SEEK_END)
+            self._last_hash = head.last_hash
+            self._num_records = head.num_records
+            self._since_checkpoint = 0
+            if head.needs_header:
+                self._start_file()
+            else:
+                self._digest = self._file_digest(head.input_salt)
         except BaseException:
+            self._close_files()
             _release_lock(self._lock_fd)
             raise
-        self._size_bytes = self._file.seek(0, os.SEEK_END)
-        self._num_unsynced = 0
-        self._oldest_unsynced_s = 0.0
         self._thread = threading.Thread(target=self._run, name="sits-audit-writer", daemon=True)
         self._thread.start()
 
@@ -161,7 +226,7 @@ class AuditWriter:
 
     @property
     def last_hash(self) -> str:
-        """The hash of the last record written (GENESIS_HASH for a new log)."""
+        """The hash of the last record written (the header's when no request was written)."""
         return self._last_hash
 
     def stats(self) -> AuditWriterStats:
@@ -173,11 +238,13 @@ class AuditWriter:
                 num_dropped=self._num_dropped,
                 num_fsyncs=self._num_fsyncs,
                 num_rotations=self._num_rotations,
+                num_checkpoints=self._num_checkpoints,
                 queue_depth=self._queue.qsize(),
                 last_hash=self._last_hash,
+                num_records=self._num_records,
             )
 
-    def submit(self, record: AuditRecord) -> bool:
+    def submit(self, record: AuditEntry) -> bool:
         """Queue one record for writing; True if queued, False if dropped (never raises).
 
         Waits at most `enqueue_timeout_s`, and only when the queue is full.
@@ -196,9 +263,8 @@ class AuditWriter:
         return True
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Write everything queued, fsync, close the file and release the lock (idempotent).
-
-        Records submitted after `close()` starts are dropped (and counted).
+        """Write everything queued, fsync, checkpoint, close the files and release the lock
+        (idempotent). Records submitted after `close()` starts are dropped (and counted).
         """
         if self._closed:
             return
@@ -235,7 +301,8 @@ class AuditWriter:
                         self._drop(item.request_id, "unexpected error (logged above)")
         finally:
             self._fsync()
-            self._file.close()
+            self._checkpoint(SHUTDOWN_REASON)
+            self._close_files()
 
     def _next_item(self) -> Any:
         """The next record, or None when the fsync deadline passes first."""
@@ -248,9 +315,9 @@ class AuditWriter:
         except queue.Empty:
             return None
 
-    def _write_record(self, record: AuditRecord) -> None:
+    def _write_record(self, record: AuditEntry) -> None:
         try:
-            line, new_hash = self._encode(record)
+            line, new_hash = self._encode(record.to_body(self._digest))
         except (TypeError, ValueError) as exc:
             self._drop(record.request_id, f"cannot encode the record: {exc}")
             return
@@ -259,30 +326,66 @@ class AuditWriter:
                 self._rotate()
             except OSError:
                 logger.exception("audit log rotation failed; continuing in %s", self.config.path)
-        start_bytes = self._size_bytes
+            # after the new file's header: the next seq, its hash, its input digest
+            line, new_hash = self._encode(record.to_body(self._digest))
         try:
-            _write_all(self._file, line)
+            self._append(line, new_hash)
         except (OSError, ValueError) as exc:
-            self._undo_partial_write(start_bytes)
             self._drop(record.request_id, f"write failed: {exc}")
             return
+        with self._counter_lock:
+            self._num_written += 1
+        if self._since_checkpoint >= self.config.checkpoint_every_records:
+            self._checkpoint(INTERVAL_REASON)
+
+    def _encode(self, body: Mapping[str, Any]) -> tuple[bytes, str]:
+        """The line and hash of `body` as the next record of the chain."""
+        body = {**body, SEQ_FIELD: self._num_records}
+        try:
+            sealed = seal(body, self._last_hash, self._chain_key)
+        except (UnicodeEncodeError, ValueError):
+            # NaN/inf or lone surrogates in a field: encode a cleaned copy, never lose the record.
+            sealed = seal(to_jsonable(body), self._last_hash, self._chain_key)
+        return encode_line(sealed), sealed[HASH_FIELD]
+
+    def _append(self, line: bytes, new_hash: str) -> None:
+        """Write one sealed line; a partial write is truncated away before the error leaves.
+
+        Raises:
+            OSError, ValueError: the write failed (nothing of the line stays in the file).
+        """
+        start_bytes = self._size_bytes
+        try:
+            write_all(self._file, line)
+        except (OSError, ValueError):
+            self._undo_partial_write(start_bytes)
+            raise
         self._size_bytes += len(line)
         self._last_hash = new_hash
+        with self._counter_lock:
+            self._num_records += 1
+        self._since_checkpoint += 1
         if self._num_unsynced == 0:
             self._oldest_unsynced_s = self._clock()
         self._num_unsynced += 1
-        with self._counter_lock:
-            self._num_written += 1
 
-    def _encode(self, record: AuditRecord) -> tuple[bytes, str]:
-        body = record.to_body()
-        try:
-            sealed = seal(body, self._last_hash)
-            return encode_line(sealed), sealed[HASH_FIELD]
-        except (UnicodeEncodeError, ValueError):
-            # NaN/inf or lone surrogates in a field: encode a cleaned copy, never lose the record.
-            sealed = seal(to_jsonable(body), self._last_hash)
-            return encode_line(sealed), sealed[HASH_FIELD]
+    def _file_digest(self, salt_hex: str | None) -> InputDigest:
+        if self._key is not None:
+            return InputDigest(self._key.inputs)
+        assert salt_hex is not None, "an unkeyed file has a salt"
+        return InputDigest(bytes.fromhex(salt_hex))
+
+    def _start_file(self) -> None:
+        """Write the header of the (empty) active file and take its input digest.
+
+        Raises:
+            OSError, ValueError: the header could not be written.
+        """
+        salt = None if self._key is not None else secrets.token_hex(SALT_BYTES)
+        key_id = None if self._key is None else self._key.key_id
+        line, new_hash = self._encode(header_body(time.time(), key_id, salt))
+        self._append(line, new_hash)
+        self._digest = self._file_digest(salt)
 
     def _undo_partial_write(self, start_bytes: int) -> None:
         try:
@@ -297,31 +400,59 @@ class AuditWriter:
         if due or self._clock() - self._oldest_unsynced_s >= self.config.fsync_interval_s:
             self._fsync()
 
-    def _fsync(self) -> None:
-        if self._num_unsynced == 0 or self._file.closed:
-            return
+    def _fsync(self) -> bool:
+        """fsync what is written; True when nothing is left unsynced."""
+        if self._num_unsynced == 0:
+            return True
+        if self._file.closed:
+            return False
         try:
             os.fsync(self._file.fileno())
         except OSError:
             logger.exception("fsync of the audit log %s failed", self.config.path)
-            return
+            return False
         self._num_unsynced = 0
         with self._counter_lock:
             self._num_fsyncs += 1
+        return True
+
+    def _checkpoint(self, reason: str) -> None:
+        """Append a checkpoint of the durable head (the log is fsynced first)."""
+        if self._checkpoints is None or self._num_records == 0:
+            return
+        if not self._fsync():
+            logger.error("audit checkpoint skipped: the log %s is not synced", self.config.path)
+            return
+        line = checkpoint_line(self._num_records, self._last_hash, time.time(), reason, self._key)
+        try:
+            self._checkpoints.append(line)
+        except (OSError, ValueError):
+            logger.exception("cannot write the audit checkpoint to %s", self._checkpoints.path)
+            return
+        self._since_checkpoint = 0
+        with self._counter_lock:
+            self._num_checkpoints += 1
 
     def _rotate(self) -> None:
-        """Rename the full active file to `PATH.<k+1>` and start a new, empty `PATH`."""
+        """Rename the full active file to `PATH.<k+1>` and start a new `PATH` with a header."""
         self._fsync()
         self._file.close()
         path = self.config.path
         rotated = [p for p in audit_series(path) if p != path]
         next_index = int(rotated[-1].rsplit(".", 1)[1]) + 1 if rotated else 1
         os.rename(path, f"{path}.{next_index}")
-        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - owned until close()
-        _fsync_dir(path)
+        self._file = open_private_append(path)
+        fsync_dir(path)
         self._size_bytes = 0
         with self._counter_lock:
             self._num_rotations += 1
+        self._start_file()
+
+    def _close_files(self) -> None:
+        for file in (getattr(self, "_file", None), self._checkpoints):
+            if file is not None:
+                with contextlib.suppress(OSError):
+                    file.close()
 
     def _drop(self, request_id: str, why: str) -> None:
         with self._counter_lock:
@@ -334,155 +465,8 @@ class AuditWriter:
                 logger.exception("audit on_drop callback failed")
 
 
-def _write_all(file: Any, data: bytes) -> None:
-    """Write every byte of `data` to an unbuffered (raw) file."""
-    view = memoryview(data)
-    while view:
-        written = file.write(view)
-        view = view[written:]
-
-
-def _recover_head(path: str) -> str:
-    """The chain head to continue from; repairs a torn tail of `path` (see the module doc).
-
-    Raises:
-        AuditLogError: the last complete line is not a self-consistent record.
-    """
-    for file_path in reversed(audit_series(path)):
-        if file_path == path:
-            _repair_torn_tail(path)
-        line = _last_line(file_path)
-        if line is not None:
-            return _head_of(line, file_path)
-    return GENESIS_HASH
-
-
-def _head_of(line: bytes, file_path: str) -> str:
-    try:
-        record = json.loads(line)
-        stored = record[HASH_FIELD]
-        body = {k: v for k, v in record.items() if k != HASH_FIELD}
-        ok = chain_hash(record[PREV_HASH_FIELD], body) == stored
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise AuditLogError(
-            f"the last line of the audit log {file_path} is not a valid record; run "
-            f"`sits audit verify` and move the file aside before writing a new log"
-        )
-    return stored
-
-
-def _last_line(file_path: str) -> bytes | None:
-    """The last newline-terminated line of the file (without its newline), or None."""
-    with open(file_path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        tail = b""
-        pos = end
-        while pos > 0:
-            step = min(_TAIL_CHUNK_BYTES, pos)
-            pos -= step
-            f.seek(pos)
-            tail = f.read(step) + tail
-            last_nl = tail.rfind(b"\n")
-            if last_nl < 0:
-                continue
-            prev_nl = tail.rfind(b"\n", 0, last_nl)
-            if prev_nl >= 0 or pos == 0:
-                return tail[prev_nl + 1 : last_nl]
-        return None
-
-
-def _repair_torn_tail(path: str) -> None:
-    """Make `path` end on a complete line (module doc: keep a valid record, else move aside)."""
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        if end == 0:
-            return
-        f.seek(end - 1)
-        if f.read(1) == b"\n":
-            return
-        pos, tail = end, b""
-        while pos > 0 and b"\n" not in tail:
-            step = min(_TAIL_CHUNK_BYTES, pos)
-            pos -= step
-            f.seek(pos)
-            tail = f.read(step) + tail
-    cut = tail.rfind(b"\n") + 1  # 0 when the whole file is one torn line
-    torn = tail[cut:]
-    keep_offset = pos + cut
-    if _is_valid_continuation(path, torn, keep_offset):
-        with open(path, "ab") as f:
-            f.write(b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        logger.warning("audit log %s: completed a final record that lacked its newline", path)
-        return
-    aside = f"{path}.torn-{time.time_ns()}"
-    with open(aside, "wb") as f:
-        f.write(torn)
-        f.flush()
-        os.fsync(f.fileno())
-    os.truncate(path, keep_offset)
-    logger.warning(
-        "audit log %s: torn last line (%d bytes, crash mid-write?) moved to %s",
-        path,
-        len(torn),
-        aside,
-    )
-
-
-def _is_valid_continuation(path: str, torn: bytes, keep_offset: int) -> bool:
-    """True if `torn` is a complete record chaining to the line before it."""
-    try:
-        record = json.loads(torn)
-        body = {k: v for k, v in record.items() if k != HASH_FIELD}
-        if chain_hash(record[PREV_HASH_FIELD], body) != record[HASH_FIELD]:
-            return False
-        if encode_line(record) != torn + b"\n":
-            return False
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-    prev = GENESIS_HASH
-    if keep_offset > 0:
-        prev_line = _line_before(path, keep_offset)
-        if prev_line is None:
-            return False
-        try:
-            prev = json.loads(prev_line)[HASH_FIELD]
-        except (ValueError, KeyError, TypeError):
-            return False
-    else:
-        series = [p for p in audit_series(path) if p != path]
-        if series:
-            last = _last_line(series[-1])
-            if last is None:
-                return False
-            try:
-                prev = json.loads(last)[HASH_FIELD]
-            except (ValueError, KeyError, TypeError):
-                return False
-    return record[PREV_HASH_FIELD] == prev
-
-
-def _line_before(path: str, end_offset: int) -> bytes | None:
-    """The complete line ending just before `end_offset` (which follows a newline)."""
-    with open(path, "rb") as f:
-        pos, tail = end_offset, b""
-        while pos > 0:
-            step = min(_TAIL_CHUNK_BYTES, pos)
-            pos -= step
-            f.seek(pos)
-            tail = f.read(step) + tail
-            body = tail[:-1]  # drop the newline at end_offset - 1
-            nl = body.rfind(b"\n")
-            if nl >= 0:
-                return body[nl + 1 :]
-        return tail[:-1] if tail else None
-
-
 def _acquire_lock(lock_path: str) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, PRIVATE_MODE)
     try:
         import fcntl
     except ImportError:  # not POSIX: no cross-process protection
@@ -498,16 +482,3 @@ def _acquire_lock(lock_path: str) -> int:
 def _release_lock(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)  # closing the descriptor releases the flock
-
-
-def _fsync_dir(path: str) -> None:
-    """fsync the directory of `path` so a rename/create survives a crash (POSIX)."""
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

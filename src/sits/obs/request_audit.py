@@ -2,7 +2,9 @@
 
 Every engine request a job starts is watched by a `RequestAudit`: it sees each output before the
 handler does, joins the samples, and on the request's end (finished, abort, error) submits one
-`AuditRecord` to the `AuditWriter` (a bounded, never-raising `submit`).
+`AuditRecord` to the `AuditWriter` (a bounded, never-raising `submit`). A generation request
+answered with an error status gets an `AuditRefusal` (`refused`, called by the server's
+`sits.server.audit_refusals` middleware), so the log accounts for every request a tenant sent.
 
 Invariants:
 - the engine is asked for `max(user's logprobs, top_k)` logprobs; `trim` cuts every output
@@ -15,7 +17,8 @@ Invariants:
   `RequestOutput.num_precision_switches`, as the engine counted them); None and 0 without;
 - the weights digest (`weights_digest`) is computed once in a thread started at `start()`;
   records finished before it is known are submitted from that thread when it is;
-- `close()` waits for the digest, then closes the writer (after the server's drain).
+- `close()` waits for the digest, then closes the writer (after the server's drain), which
+  writes the shutdown checkpoint.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import dataclasses
 import hashlib
 import logging
 import os
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sits.core.outputs import CompletionOutput, RequestOutput
 from sits.core.sampling_params import SamplingParams
 from sits.obs import (
+    AuditKey,
     AuditRecord,
+    AuditRefusal,
     AuditTimings,
     AuditWriter,
     AuditWriterConfig,
@@ -43,6 +49,9 @@ from sits.obs import (
 logger = logging.getLogger(__name__)
 
 UNKNOWN_DIGEST = "unknown"
+# The request-state attribute holding the job id of a request whose engine requests are
+# watched (so their records exist): set by the serving code, read by the refusal middleware.
+AUDITED_STATE_KEY = "sits_audited_job"
 _HASH_CHUNK_BYTES = 1 << 20
 
 
@@ -73,12 +82,19 @@ class AuditSettings:
         top_logprobs: alternatives kept per generated token (`--audit-top-logprobs`, >= 0).
         max_file_bytes: rotate past this size (`--audit-max-file-bytes`); None = writer default.
         store_input: store the input text itself for every tenant (`--audit-store-input`).
+        key: the audit key (`--audit-key-file`, loaded by `sits.obs.audit_keys.load_key_file`);
+            None = an unkeyed log.
+        checkpoint_path: the checkpoint file (`--audit-checkpoint-file`); None = none.
+        checkpoint_every_records: records between checkpoints (`--audit-checkpoint-interval`).
     """
 
     path: str
     top_logprobs: int = 5
     max_file_bytes: int | None = None
     store_input: bool = False
+    key: AuditKey | None = field(default=None, repr=False)
+    checkpoint_path: str | None = None
+    checkpoint_every_records: int = 100
 
 
 def trim_logprobs(output: RequestOutput, user_params: SamplingParams) -> RequestOutput:
@@ -130,10 +146,18 @@ class ServerAudit:
 
     def start(self) -> None:
         """Open the writer and start hashing the weights in a thread."""
+        settings = self.settings
         kwargs = {}
-        if self.settings.max_file_bytes is not None:
-            kwargs["max_file_bytes"] = self.settings.max_file_bytes
-        self.writer = AuditWriter(AuditWriterConfig(path=self.settings.path, **kwargs))
+        if settings.max_file_bytes is not None:
+            kwargs["max_file_bytes"] = settings.max_file_bytes
+        config = AuditWriterConfig(
+            path=settings.path,
+            key=settings.key,
+            checkpoint_path=settings.checkpoint_path,
+            checkpoint_every_records=settings.checkpoint_every_records,
+            **kwargs,
+        )
+        self.writer = AuditWriter(config)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "sits-audit-digest")
         self._digest = self._executor.submit(self._compute_digest)
 
@@ -182,6 +206,53 @@ class ServerAudit:
             writer.submit(dataclasses.replace(record, weights_digest=fut.result()))
 
         self._digest.add_done_callback(done)
+
+    def refused(
+        self,
+        *,
+        tenant_id: str | None,
+        route: str,
+        status: int,
+        error: dict[str, object] | None,
+        job_id: str | None = None,
+        trace_id: str | None = None,
+    ) -> None:
+        """Submit the record of a generation request answered with error `status`.
+
+        Args:
+            tenant_id: the authenticated tenant; None when authentication failed.
+            route: method and path ("POST /v1/completions").
+            status: the HTTP status sent.
+            error: the OpenAI error object of the body (`{"message", "type", "param",
+                "code"}`); None when the body held none.
+            job_id: the job's id when the engine had started the request (its records share
+                it); None gives the record a fresh id.
+            trace_id: the W3C trace id (32 hex) when traced.
+        """
+        writer = self.writer
+        if writer is None:
+            return
+        error = error or {}
+
+        def text(name: str) -> str | None:
+            value = error.get(name)
+            return None if value is None else str(value)
+
+        writer.submit(
+            AuditRefusal(
+                request_id=job_id or f"refused-{secrets.token_hex(12)}",
+                tenant=tenant_id,
+                route=route,
+                status=status,
+                error_type=text("type"),
+                error_code=text("code"),
+                error_param=text("param"),
+                message=text("message"),
+                unix_s=time.time(),
+                engine_started=job_id is not None,
+                trace_id=trace_id,
+            )
+        )
 
 
 class RequestAudit:
