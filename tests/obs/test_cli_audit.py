@@ -29,27 +29,32 @@ def test_verify_ok_prints_count(log_path: Path, capsys: pytest.CaptureFixture[st
     write_log(log_path, 5)
     assert _run(["audit", "verify", str(log_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("OK: 5 records in 1 file(s); last hash ")
+    assert out.startswith(
+        "OK: 6 records in 1 file(s) (1 header(s), 5 request(s), 0 refused); last hash "
+    )
+    assert "\nunkeyed: a plain SHA-256 chain (no --key-file)" in out
+    assert "cannot tell" in out  # it says what an unkeyed chain cannot detect
+    assert "no --checkpoints: records cut from the end of the log cannot be detected" in out
 
 
 def test_verify_names_first_broken_line(log_path: Path, capsys) -> None:
     write_log(log_path, 5)
     lines = log_path.read_bytes().splitlines(keepends=True)
-    lines[3] = lines[3].replace(b"answer number 3", b"answer number 4")
+    lines[4] = lines[4].replace(b"answer number 3", b"answer number 4")
     log_path.write_bytes(b"".join(lines))
     assert _run(["audit", "verify", str(log_path)]) == 1
     out = capsys.readouterr().out
-    assert f"FAILED: {log_path} line 4 (request req-3): hash mismatch:" in out
-    assert "3 records verified before it" in out
+    assert f"FAILED: {log_path} line 5 (request req-3): hash mismatch:" in out
+    assert "4 records verified before it" in out
 
 
 def test_verify_unparseable_line(log_path: Path, capsys) -> None:
     write_log(log_path, 3)
     lines = log_path.read_bytes().splitlines(keepends=True)
-    lines[1] = lines[1][:20] + b"\n"
+    lines[2] = lines[2][:20] + b"\n"
     log_path.write_bytes(b"".join(lines))
     assert _run(["audit", "verify", str(log_path)]) == 1
-    assert f"FAILED: {log_path} line 2: unparseable line:" in capsys.readouterr().out
+    assert f"FAILED: {log_path} line 3: unparseable line:" in capsys.readouterr().out
 
 
 def test_verify_torn_tail_warns_and_exits_0(log_path: Path, capsys) -> None:
@@ -57,8 +62,8 @@ def test_verify_torn_tail_warns_and_exits_0(log_path: Path, capsys) -> None:
     log_path.write_bytes(log_path.read_bytes()[:-30])
     assert _run(["audit", "verify", str(log_path)]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("OK: 2 records")
-    assert f"warning: {log_path} line 3: torn last line" in captured.err
+    assert captured.out.startswith("OK: 3 records")
+    assert f"warning: {log_path} line 4: torn last line" in captured.err
 
 
 def test_verify_missing_log_and_bad_anchor(log_path: Path) -> None:
@@ -186,4 +191,4 @@ def test_main_subprocess_when_wired(log_path: Path) -> None:
         text=True,
         check=False,
     )
-    assert proc.returncode == 1 and "line 1 (request req-0): hash mismatch" in proc.stdout
+    assert proc.returncode == 1 and "line 2 (request req-0): hash mismatch" in proc.stdout
