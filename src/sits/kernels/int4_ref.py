@@ -59,7 +59,8 @@ def unpack_int4(packed: Tensor, dim: int = -1) -> Tensor:
     """The inverse of `pack_int4`: int32 words -> uint8 codes in [0, 15], `dim` 8x longer."""
     words = packed.movedim(dim, -1).to(torch.int64)
     codes = (words[..., None] >> _SHIFTS.to(words.device, torch.int64)) & 0xF  # [..., W, 8]
-    return codes.reshape(*words.shape[:-1], -1).to(torch.uint8).movedim(-1, dim)
+    num_codes = words.shape[-1] * PACK  # explicit: an empty tensor (no expert used) unpacks too
+    return codes.reshape(*words.shape[:-1], num_codes).to(torch.uint8).movedim(-1, dim)
 
 
 def dequantize_int4(
