@@ -97,11 +97,14 @@ FORMATS: dict[str, dict] = {
 FORMATS["ct_block"]["config_groups"]["group_0"]["weights"]["block_structure"] = list(BLOCK)
 
 
-def _quantize(fmt: str, name: str, weight: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(checkpoint tensors of one quantized weight, its float32 dequantization)."""
+def _quantize(
+    fmt: str, name: str, weight: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[dict, torch.Tensor]:
+    """(checkpoint tensors of one quantized weight, its float32 dequantization); `block`:
+    the scale blocks of the block formats."""
     if fmt in ("fp8_block", "ct_block"):
-        q, scale = quantize_fp8_block(weight, BLOCK)
-        dq = q.float() * expand_block_scale(scale, *weight.shape, BLOCK)
+        q, scale = quantize_fp8_block(weight, block)
+        dq = q.float() * expand_block_scale(scale, *weight.shape, block)
         suffix = "_scale_inv" if fmt == "fp8_block" else "_scale"
         return {name: q, f"{name}{suffix}": scale}, dq
     if fmt == "ct_channel":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sits.core.errors import InvalidParameterError, UnsupportedModelError
+from sits.core.errors import InvalidParameterError
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER
 from sits.models.loader import build_meta_model, load_model, load_weights_from
 from sits.parallel import SINGLE, TensorParallel
@@ -226,11 +226,9 @@ def test_shapes_the_size_does_not_divide_are_refused(
         build_meta_model(model_dir, tp=TensorParallel(rank=0, size=size))
 
 
-def test_quantized_weights_and_spare_experts_are_refused_with_tp(tmp_path: Path) -> None:
+def test_spare_experts_are_refused_with_tp(tmp_path: Path) -> None:
     model_dir = _config_dir(tmp_path, "qwen3_moe")
     tp = TensorParallel(rank=1, size=2)
-    with pytest.raises(UnsupportedModelError, match="quantized weights .* not supported yet"):
-        build_meta_model(model_dir, quantization="fp8", tp=tp)
     with pytest.raises(InvalidParameterError, match="num_spare_experts=1 with tensor parallel"):
         load_model(model_dir, torch.float32, "cpu", num_spare_experts=1, tp=tp)
 

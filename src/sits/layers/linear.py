@@ -193,5 +193,19 @@ class RowParallelLinear(nn.Linear):
         the ranks (one all-reduce when tp.size > 1)."""
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [num_tokens, out_features]
-        return out if self.bias is None else out + self.bias
+        return sum_partial(F.linear(x, self.weight), self.bias, self.tp)
+
+
+def sum_partial(partial: Tensor, bias: Tensor | None, tp: TensorParallel) -> Tensor:
+    """A row-parallel projection's output from this rank's partial product.
+
+    Args:
+        partial: [num_tokens, out_features], x_local @ weight_local.T (no bias).
+        bias: [out_features] (whole) or None, added once, after the sum.
+        tp: the ranks to sum over (one all-reduce, in place).
+
+    Returns:
+        [num_tokens, out_features], partial's dtype.
+    """
+    out = tp.all_reduce(partial)  # [num_tokens, out_features]
+    return out if bias is None else out + bias

@@ -325,27 +325,26 @@ class SparseMoeBlock(nn.Module):
         slots = self.expert_slots()
         replicas = self._replicas
         if replicas is not None:
-            out = self.moe_backend.experts(
-                hidden,
-                self.w13,
-                self.w2,
-                topk_weights,
-                replicas.map_ids(topk_ids),
-                replicas.nonfinite,
+            out = self._experts(
+                hidden, topk_weights, replicas.map_ids(topk_ids), replicas.nonfinite
             )  # [num_tokens, hidden_size], this rank's replicas' partial sum
             replicas.fold_nonfinite(state.anomalous)
         elif not self.expert_shard.is_whole:
             out = self._run_local_experts(hidden, topk_weights, topk_ids, state.anomalous)
         elif slots is None:
-            out = self.moe_backend.experts(
-                hidden, self.w13, self.w2, topk_weights, topk_ids, state.anomalous
-            )  # [num_tokens, hidden_size]
+            out = self._experts(hidden, topk_weights, topk_ids, state.anomalous)  # [T, hidden]
         else:
-            out = self.moe_backend.experts(
-                hidden, self.w13, self.w2, topk_weights, slots.map_ids(topk_ids), slots.nonfinite
-            )  # [num_tokens, hidden_size]
+            out = self._experts(hidden, topk_weights, slots.map_ids(topk_ids), slots.nonfinite)
             slots.fold_nonfinite(state.anomalous)
         return self._reduce(out, state.anomalous)
+
+    def _experts(
+        self, hidden: Tensor, topk_weights: Tensor, ids: Tensor, nonfinite: Tensor | None
+    ) -> Tensor:
+        """The backend's experts over this rank's slots: hidden [T, hidden_size], topk_weights
+        [T, k] float32, ids [T, k] int64 slots of w13 / w2 (-1: none) -> [T, hidden_size];
+        nonfinite ([num_slots] bool) raised per slot. Quantized blocks run their own."""
+        return self.moe_backend.experts(hidden, self.w13, self.w2, topk_weights, ids, nonfinite)
 
     def _run_local_experts(
         self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, anomalous: Tensor
@@ -364,9 +363,7 @@ class SparseMoeBlock(nn.Module):
             self._local_nonfinite = torch.zeros(
                 shard.size, dtype=torch.bool, device=self.w13.device
             )  # persistent, so a captured graph reuses it
-        out = self.moe_backend.experts(
-            hidden, self.w13, self.w2, topk_weights, local_ids, self._local_nonfinite
-        )  # [num_tokens, hidden_size]
+        out = self._experts(hidden, topk_weights, local_ids, self._local_nonfinite)  # [T, hidden]
         anomalous[shard.start : shard.stop] |= self._local_nonfinite
         self._local_nonfinite.zero_()
         return out

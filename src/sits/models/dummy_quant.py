@@ -45,7 +45,7 @@ def init_dummy_quantized(
             continue
         prefix = f"{name}." if name else ""
         if isinstance(module, (Fp8SparseMoeBlock, Int4SparseMoeBlock)):
-            num_experts, inter = module.config.num_experts, module.config.intermediate_size
+            num_experts, inter = module.w13.shape[0], module.intermediate_size  # the rank's
             hidden = module.w2.shape[1]
             device = module.w2.device
             w13_shape = (num_experts, 2 * inter, hidden)

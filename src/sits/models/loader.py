@@ -29,7 +29,14 @@ is cast and copied, so a rank never holds more of the model on its device than i
 With `tp.expert_parallel` a rank's MoE layers hold whole experts (`SparseMoeBlock.expert_shard`):
 the other ranks' per-expert tensors are skipped unread, and the coverage check counts this
 rank's experts exactly.
-Quantized weights and spare expert slots are refused with tp.size > 1 (not supported yet).
+Quantized weights under tensor parallelism: each quantized module cuts its checkpoint
+tensors itself (`layers.quant.sharding`): weights and scales by output rows (column-parallel)
+or by input columns in whole scale blocks / groups (row-parallel; a rank's slice that cuts
+through one is refused when the model is built, with the numbers), the per-row scales of a
+row-parallel layer whole. Online quantization quantizes the checkpoint's whole tensor, as one
+rank does (a rank holds one full tensor at a time on its device), and keeps its slice of the
+values and scales. With expert parallelism a rank's experts come with their scales.
+Spare expert slots are refused with tp.size > 1 (not supported yet).
 
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
@@ -129,18 +136,14 @@ def build_meta_model(
     Raises:
         ModelNotFoundError: no config.json.
         UnsupportedModelError: unsupported architecture, option or quantization scheme, or
-            quantized weights with tp.size > 1.
+            a tensor-parallel slice of quantized weights that cuts through their scale
+            blocks or groups (the message names the module and gives the numbers).
         InvalidParameterError: tp.size does not fit the heads, KV heads, an intermediate size,
             the vocabulary or (with tp.expert_parallel) num_experts (the message gives the
             numbers).
     """
     hf_config = load_hf_config(model_dir)
     quant = quant_config_of(_quantization_config(hf_config), quantization)
-    if quant is not None and tp.size > 1:
-        raise UnsupportedModelError(
-            f"tensor parallelism (size {tp.size}) of quantized weights ({quant.describe()}) "
-            "is not supported yet"
-        )
     model_class = get_model_class(hf_config)
     config = model_class.config_from_hf(hf_config)
     with torch.device("meta"):
@@ -205,8 +208,9 @@ def load_model(
 
     Raises:
         ModelNotFoundError: no config.json or no safetensors files.
-        UnsupportedModelError: unsupported architecture, option or quantization, quantized
-            weights with tp.size > 1, or weights that do not match the model (missing,
+        UnsupportedModelError: unsupported architecture, option or quantization, a
+            tensor-parallel slice that cuts through scale blocks or groups
+            (`build_meta_model`), or weights that do not match the model (missing,
             unexpected, duplicated, wrong shape or dtype).
         InvalidParameterError: tp.size does not fit the model's shapes (`build_meta_model`),
             or num_spare_experts > 0 with tp.size > 1.
@@ -318,7 +322,8 @@ def _online_fp8_pairs(
     model: DecoderForCausalLM, pairs: Iterable[tuple[str, Tensor]]
 ) -> Iterator[tuple[str, Tensor]]:
     """Online FP8: each weight bound for an FP8 parameter becomes (name, FP8 values) and
-    (name + "_scale", per-row scales), the pairs of a per-channel checkpoint. The weight is
+    (name + "_scale", per-row scales), the pairs of a per-channel checkpoint (of the whole
+    tensor under tensor parallelism: the targets keep the rank's slice). The weight is
     cast to the model dtype and moved to the model's device first, as vLLM quantizes what it
     loaded: a float32 checkpoint served in bf16 quantizes its bf16 values, on the device,
     exactly as the precision switch's twin (`layers.quant.fill`) does (INT4's clip search
@@ -345,7 +350,7 @@ def _online_int4_pairs(
     """Online INT4: each model-dtype weight bound for an INT4 module becomes the tensors of a
     compressed-tensors pack-quantized checkpoint (`weight_packed`, `weight_scale`,
     `weight_shape`), quantized symmetric group-wise (`kernels.int4_ref.quantize_int4`) from
-    its model-dtype values (as `_online_fp8_pairs`)."""
+    its model-dtype values (as `_online_fp8_pairs`, whole tensors as one rank does)."""
     from sits.kernels.int4_ref import quantize_int4
 
     params = dict(model.named_parameters())

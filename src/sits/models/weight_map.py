@@ -16,7 +16,9 @@ Weight names are mapped from Hugging Face checkpoints onto our fused parameters:
 A tensor-parallel shard's layers say which rows / columns they hold
 (`FusedLinear.part_shards`, `RowParallelLinear.col_shard`, `row_shard` of the vocabulary
 layers, `SparseMoeBlock.inter_shard`); `TensorSlice` cuts the checkpoint tensor to them, per
-fused part and per expert, before anything is copied. With expert parallelism
+fused part and per expert, before anything is copied; a quantized module names its own cut
+of each of its tensors (`layers.quant.sharding`: scales and packed codes by whole blocks,
+groups and words, per-row scales of a row-parallel layer whole). With expert parallelism
 (`SparseMoeBlock.expert_shard`) a rank keeps whole experts: its experts' per-expert tensors go
 to their local slots, the fused [E, ...] tensors are cut to its experts along dim 0, and the
 per-expert tensors of the other ranks' experts are skipped (`is_skipped`).
@@ -171,11 +173,12 @@ def _fused_part(model: nn.Module, module_name: str, part: int, kind: str) -> Wei
 
 
 def _quant_target(module_name: str, found: tuple | None) -> WeightTarget | None:
-    """A quantized module's (local name, index, convert) as a WeightTarget."""
+    """A quantized module's (local name, index, convert, this rank's cut) as a WeightTarget."""
     if found is None:
         return None
-    local, index, convert = found
-    return WeightTarget(f"{module_name}.{local}", index, convert)
+    local, index, convert, cut = found
+    shard = None if cut is None else TensorSlice.of(*cut)
+    return WeightTarget(f"{module_name}.{local}", index, convert, shard)
 
 
 def _plain_target(model: nn.Module, name: str) -> WeightTarget:

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,7 +59,12 @@ def fit_online_int4_group(model: nn.Module, quant: QuantConfig) -> QuantConfig:
     """The online INT4 scheme with the largest group, halving from `quant.group_size` (128)
     down to MIN_ONLINE_INT4_GROUP, that divides the input width of every module it quantizes
     (small models: a 64-wide hidden state takes group 64); `quant` itself when none fits (the
-    swap then names the module) or for any other scheme."""
+    swap then names the module) or for any other scheme.
+
+    Under tensor parallelism the widths are this rank's (a row-parallel projection's and the
+    experts' slice of their input columns), so the groups never straddle two ranks; where
+    the group that fits one rank divides the slices too (e.g. Qwen3-30B-A3B on 2 ranks) the
+    weights are those of one rank, else the group is smaller (halved until it fits)."""
     if not (quant.online and quant.is_int4 and quant.group_size):
         return quant
     widths: set[int] = set()
@@ -68,7 +74,7 @@ def fit_online_int4_group(model: nn.Module, quant: QuantConfig) -> QuantConfig:
         elif isinstance(module, GatedMLP):
             widths |= {module.gate_up_proj.in_features, module.down_proj.in_features}
         elif isinstance(module, SparseMoeBlock):
-            widths |= {module.gate.in_features, module.config.intermediate_size}
+            widths |= {module.gate.in_features, module.intermediate_size}
     group = quant.group_size
     while group >= MIN_ONLINE_INT4_GROUP:
         if all(width % group == 0 for width in widths):
@@ -95,13 +101,18 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
     quant = fit_online_int4_group(model, quant)
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
-        try:
-            swaps += _swaps_of(model, name, module, quant)
-        except UnsupportedModelError as err:
-            raise UnsupportedModelError(f"{name}: {err}") from err
+        swaps += _swaps_of(model, name, module, quant)
     for parent, attr, new in swaps:
         setattr(parent, attr, new)
     return len(swaps)
+
+
+def _named(name: str, build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()`, its UnsupportedModelError prefixed with the module's name."""
+    try:
+        return build()
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{name}: {err}") from err
 
 
 def _swaps_of(
@@ -113,20 +124,27 @@ def _swaps_of(
     if isinstance(module, Attention):
         parts = [f"{name}.{p}_proj" for p in "qkv"]
         if not _all_or_none(quant, parts):
-            swaps.append((module, "qkv_proj", qkv(module.qkv_proj, quant)))
+            new = _named(f"{name}.qkv_proj", lambda: qkv(module.qkv_proj, quant))
+            swaps.append((module, "qkv_proj", new))
         if not quant.is_ignored(f"{name}.o_proj"):
-            swaps.append((module, "o_proj", fused.from_linear(module.o_proj, quant)))
+            new = _named(f"{name}.o_proj", lambda: fused.from_linear(module.o_proj, quant))
+            swaps.append((module, "o_proj", new))
     elif isinstance(module, GatedMLP):
         parts = [f"{name}.gate_proj", f"{name}.up_proj"]
         if not _all_or_none(quant, parts):
-            gate_up = gate_up_class(module.gate_up_proj, quant)
-            swaps.append((module, "gate_up_proj", gate_up))
+            new = _named(f"{name}.gate_up_proj", lambda: gate_up_class(module.gate_up_proj, quant))
+            swaps.append((module, "gate_up_proj", new))
         if not quant.is_ignored(f"{name}.down_proj"):
-            down = fused.from_linear(module.down_proj, quant)
-            swaps.append((module, "down_proj", down))
+            new = _named(f"{name}.down_proj", lambda: fused.from_linear(module.down_proj, quant))
+            swaps.append((module, "down_proj", new))
     elif isinstance(module, SparseMoeBlock) and not _experts_ignored(quant, name):
         parent_name, _, attr = name.rpartition(".")
-        block = moe(module.gate.in_features, module.config, quant, module.moe_backend)
+        block = _named(
+            name,
+            lambda: moe(
+                module.gate.in_features, module.config, quant, module.moe_backend, module.tp
+            ),
+        )
         swaps.append((model.get_submodule(parent_name), attr, block))
     return swaps
 

@@ -366,3 +366,19 @@ def refuse_spare_slots(num_spare: int, experts: str) -> None:
             "num_spare_experts",
             f"num_spare_experts={num_spare} is not supported with {experts} experts yet (use 0)",
         )
+
+
+def refuse_replicas(experts: str) -> None:
+    """Quantized experts take no replicas yet (`--expert-router-policy load-aware`).
+
+    Args:
+        experts: the experts' kind in the message ("FP8", "INT4").
+
+    Raises:
+        InvalidParameterError: always.
+    """
+    raise InvalidParameterError(
+        "expert_router_policy",
+        f"expert_router_policy 'load-aware' is not supported with {experts} experts yet "
+        "(use 'static')",
+    )

@@ -132,13 +132,15 @@ def quantize_experts_(
 
     Args:
         block: an `Fp8SparseMoeBlock` or `Int4SparseMoeBlock` (materialised).
-        w13: [E, 2 * I, H] gate and up rows; w2: [E, H, I]; any float dtype, on the device.
-        experts: the experts to fill (default: all E), e.g. one just restored.
+        w13: [E, 2 * I, H] gate and up rows; w2: [E, H, I]; any float dtype, on the device
+            (E and I: the block's, this tensor-parallel rank's experts and width).
+        experts: the experts (slots of w13 / w2) to fill (default: all E), e.g. one just
+            restored.
 
     Raises:
         UnsupportedModelError: static activation scales; ValueError: wrong shapes.
     """
-    num_experts, inter = block.config.num_experts, block.config.intermediate_size
+    num_experts, inter = block.w13.shape[0], block.intermediate_size
     hidden = block.w2.shape[1]
     for name, tensor, shape in (
         ("w13", w13, (num_experts, 2 * inter, hidden)),

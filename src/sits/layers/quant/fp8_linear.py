@@ -13,6 +13,12 @@ Invariants:
   their own scales in the fused weight.
 - The forward is `kernels.fp8_ref.fp8_linear` (dequantize, then matmul): the seam of the FP8
   GEMM kernel.
+- Tensor parallelism (`quant.sharding`): the fused QKV / gate-up keep their model-dtype twin's
+  `part_shards` (output rows) and cut the checkpoint's weight, per-row and block scales by
+  them; a projection made from a `RowParallelLinear` keeps its `col_shard` (input columns),
+  cuts the weight and block scales by it, keeps every per-row scale whole (the full row's, as
+  one rank's) and sums its partial products over the ranks, adding its bias once. Shards that
+  cut through a scale block are refused at build, with the numbers.
 """
 
 from __future__ import annotations
@@ -24,10 +30,18 @@ from torch import Tensor, nn
 
 from sits.core.errors import UnsupportedModelError
 from sits.kernels.fp8_ref import FP8_DTYPE, fp8_linear
-from sits.layers.linear import FusedLinear, GateUpLinear, QKVLinear
+from sits.layers.linear import (
+    FusedLinear,
+    GateUpLinear,
+    QKVLinear,
+    RowParallelLinear,
+    Shard,
+    sum_partial,
+)
 from sits.layers.quant.config import QuantConfig
+from sits.layers.quant.sharding import Convert, Target, check_aligned, tensor_shard
+from sits.parallel import SINGLE, TensorParallel
 
-Convert = Callable[[Tensor, str], Tensor]
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -81,27 +95,58 @@ def scale_converter(shape: tuple[int, ...], allowed: tuple[tuple[int, ...], ...]
     return convert
 
 
+def check_sharded_blocks(
+    part_shards: tuple[Shard, ...], col_shard: Shard, block: tuple[int, int], scheme: str
+) -> None:
+    """Refuse a tensor-parallel cut through FP8 scale blocks: every part's rows on bn-row
+    block boundaries, the input columns on bk-column ones.
+
+    Raises:
+        UnsupportedModelError: with the rank's rows or columns and the block (`check_aligned`).
+    """
+    block_rows, block_cols = block
+    units = f"FP8 scale blocks ({scheme})"
+    for part, shard in enumerate(part_shards):
+        what = "output rows" if len(part_shards) == 1 else f"output rows of part {part}"
+        check_aligned(shard, block_rows, what, units)
+    check_aligned(col_shard, block_cols, "input columns", units)
+
+
 class Fp8Weights:
-    """Mixin over a `FusedLinear`: FP8 storage, the reference forward and checkpoint targets."""
+    """Mixin over a `FusedLinear`: FP8 storage, the reference forward and checkpoint targets.
+
+    Attributes (besides FusedLinear's):
+        col_shard: the checkpoint's input columns this module holds (all but for a
+            row-parallel projection).
+        tp: the ranks its partial products are summed over (SINGLE: none, also for the
+            column-parallel fused projections).
+    """
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     part_sizes: tuple[int, ...]
+    part_shards: tuple[Shard, ...]
     in_features: int
     part_rows: Callable[[int], slice]
 
-    def _make_fp8(self, quant: QuantConfig) -> None:
+    def _make_fp8(
+        self, quant: QuantConfig, col_shard: Shard | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
         """Replace the model-dtype weight with FP8 storage and add the scales.
 
         Raises:
-            UnsupportedModelError: block scales whose rows cut through a fused part.
+            UnsupportedModelError: block scales whose rows cut through a fused part, or a
+                tensor-parallel shard that cuts through scale blocks.
         """
         self.quant = quant
         self.block = quant.block_size if quant.strategy == "block" else None
+        self.col_shard = col_shard if col_shard is not None else Shard.whole(self.in_features)
+        self.tp = tp
         num_rows, num_cols = sum(self.part_sizes), self.in_features
         self.weight = fp8_parameter((num_rows, num_cols))
         if self.block is not None:
             block_rows, block_cols = self.block
+            check_sharded_blocks(self.part_shards, self.col_shard, self.block, quant.describe())
             if len(self.part_sizes) > 1 and any(n % block_rows for n in self.part_sizes):
                 raise UnsupportedModelError(
                     f"fused parts of {list(self.part_sizes)} rows do not split into "
@@ -121,54 +166,76 @@ class Fp8Weights:
         return {"weight": FP8_DTYPE, "weight_scale": torch.float32, "input_scale": torch.float32}
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [num_tokens, in_features] -> [num_tokens, sum(part_sizes)], x's dtype."""
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block)
+        """x: [num_tokens, in_features] -> [num_tokens, sum(part_sizes)], x's dtype (summed
+        over `tp`'s ranks, one all-reduce, when it has several)."""
+        if self.tp.size == 1:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.block)
+        partial = fp8_linear(x, self.weight, self.weight_scale, None, self.block)
+        return sum_partial(partial, self.bias, self.tp)
 
-    def checkpoint_target(
-        self, kind: str, part: int
-    ) -> tuple[str, tuple[int | slice, ...], Convert | None] | None:
+    def checkpoint_target(self, kind: str, part: int) -> Target | None:
         """Where the checkpoint tensor `<part>.<kind>` goes: (our parameter's local name,
-        index, check/convert or None), or None when this module has no such tensor.
+        index, check/convert or None, this rank's cut of it or None), or None when this
+        module has no such tensor.
 
         kind: "weight", "bias", the scheme's scale name, or "input_scale".
         """
         rows = self.part_rows(part)
         num_rows = rows.stop - rows.start
-        if kind == "weight":
-            return "weight", (rows,), check_fp8
-        if kind == "bias":
-            return ("bias", (rows,), None) if self.bias is not None else None
+        row_shard, col_shard = self.part_shards[part], self.col_shard
+        if kind == "weight":  # [N, K]
+            return "weight", (rows,), check_fp8, tensor_shard((0, row_shard, 1), (1, col_shard, 1))
+        if kind == "bias":  # [N]
+            if self.bias is None:
+                return None
+            return "bias", (rows,), None, tensor_shard((0, row_shard, 1), None)
         if kind == "input_scale":
             if self.input_scale is None:
                 return None
-            return "input_scale", (part,), scale_converter((), ((), (1,)))
+            return "input_scale", (part,), scale_converter((), ((), (1,))), None
         if kind != self.quant.scale_name:
             return None
-        if self.block is not None:
-            block_rows = self.block[0]
+        if self.block is not None:  # [ceil(N / bn), ceil(K / bk)]
+            block_rows, block_cols = self.block
             scale_rows = slice(rows.start // block_rows, _cdiv(rows.stop, block_rows))
             shape = (scale_rows.stop - scale_rows.start, self.weight_scale.shape[1])
-            return "weight_scale", (scale_rows,), scale_converter(shape, (shape,))
-        if self.quant.strategy == "channel":
+            cut = tensor_shard((0, row_shard, block_rows), (1, col_shard, block_cols))
+            return "weight_scale", (scale_rows,), scale_converter(shape, (shape,)), cut
+        if self.quant.strategy == "channel":  # [N] or [N, 1]: the full row's on every rank
             allowed = ((num_rows,), (num_rows, 1))
+            cut = tensor_shard((0, row_shard, 1), None)
         else:
-            allowed = ((), (1,))
-        return "weight_scale", (rows,), scale_converter((num_rows,), allowed)
+            allowed, cut = ((), (1,)), None
+        return "weight_scale", (rows,), scale_converter((num_rows,), allowed), cut
 
 
 class Fp8FusedLinear(Fp8Weights, FusedLinear):
-    """`FusedLinear` with FP8 weights (one part: a plain projection such as o_proj)."""
+    """`FusedLinear` with FP8 weights (one part: a plain projection such as o_proj; with
+    `col_shard` and `tp`, a row-parallel one)."""
 
     def __init__(
-        self, in_features: int, part_sizes: list[int], bias: bool, quant: QuantConfig
+        self,
+        in_features: int,
+        part_sizes: list[int],
+        bias: bool,
+        quant: QuantConfig,
+        col_shard: Shard | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         FusedLinear.__init__(self, in_features, part_sizes, bias=bias)
-        self._make_fp8(quant)
+        self._make_fp8(quant, col_shard, tp)
 
     @classmethod
     def from_linear(cls, module: nn.Linear, quant: QuantConfig) -> Fp8FusedLinear:
-        """The FP8 twin of an `nn.Linear` (same shape and bias; weights uninitialised)."""
-        return cls(module.in_features, [module.out_features], module.bias is not None, quant)
+        """The FP8 twin of an `nn.Linear` (same shape and bias, and a `RowParallelLinear`'s
+        input columns and ranks; weights uninitialised)."""
+        col_shard, tp = None, SINGLE
+        if isinstance(module, RowParallelLinear):
+            col_shard, tp = module.col_shard, module.tp
+        return cls(
+            module.in_features, [module.out_features], module.bias is not None, quant,
+            col_shard, tp,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{FusedLinear.extra_repr(self)}, {self.quant.describe()}"
@@ -182,6 +249,7 @@ class Fp8QKVLinear(Fp8Weights, QKVLinear):
             self, module.in_features, module.num_heads, module.num_kv_heads, module.head_dim,
             bias=module.bias is not None,
         )  # fmt: skip
+        self.part_shards = module.part_shards  # this rank's heads' rows
         self._make_fp8(quant)
 
     def extra_repr(self) -> str:
@@ -193,8 +261,9 @@ class Fp8GateUpLinear(Fp8Weights, GateUpLinear):
 
     def __init__(self, module: GateUpLinear, quant: QuantConfig) -> None:
         GateUpLinear.__init__(
-            self, module.in_features, module.part_sizes[0], bias=module.bias is not None
-        )
+            self, module.in_features, module.part_sizes[0], bias=module.bias is not None,
+            shard=module.part_shards[0],
+        )  # fmt: skip
         self._make_fp8(quant)
 
     def extra_repr(self) -> str:

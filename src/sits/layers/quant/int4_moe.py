@@ -12,7 +12,11 @@ Invariants:
 - The experts run through a backend's `experts_int4` (the seam of the fused w4a16 MoE
   kernel); a backend without it is replaced by the PyTorch reference (`kernels.moe_ref.TorchMoe`,
   not CUDA-graph safe), as for FP8 experts.
-- Spare expert slots are not supported with INT4 experts yet.
+- Tensor and expert parallelism as `SparseMoeBlock`: this rank's experts (`expert_shard`)
+  and intermediate slice (`inter_shard`): w13's gate and up rows cut out of every checkpoint
+  tensor, w2's columns by whole groups (a slice that cuts through a group is refused at
+  build, with the numbers).
+- Spare expert slots and replicated experts are not supported with INT4 experts yet.
 """
 
 from __future__ import annotations
@@ -23,17 +27,25 @@ from torch import Tensor, nn
 from sits.core.errors import UnsupportedModelError
 from sits.kernels.int4_ref import PACK
 from sits.kernels.moe_ref import TorchMoe
+from sits.layers.expert_replicas import ExpertReplicas
+from sits.layers.linear import Shard
 from sits.layers.moe import MoeBackend, MoeConfig, SparseMoeBlock
-from sits.layers.moe_stats import ExpertState
-from sits.layers.quant.config import QuantConfig, refuse_spare_slots
+from sits.layers.quant.config import QuantConfig, refuse_replicas, refuse_spare_slots
 from sits.layers.quant.int4_formats import (
     LOCAL_OF,
-    Convert,
     checkpoint_kind,
     format_of,
     int4_converter,
+    int4_cut,
 )
-from sits.layers.quant.int4_linear import check_int4_shape, int4_dtypes, int_parameter
+from sits.layers.quant.int4_linear import (
+    check_int4_shape,
+    check_sharded_groups,
+    int4_dtypes,
+    int_parameter,
+)
+from sits.layers.quant.sharding import Target
+from sits.parallel import SINGLE, TensorParallel
 
 
 class Int4SparseMoeBlock(SparseMoeBlock):
@@ -45,16 +57,22 @@ class Int4SparseMoeBlock(SparseMoeBlock):
         config: MoeConfig,
         quant: QuantConfig,
         moe_backend: MoeBackend | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        """Raises UnsupportedModelError for shapes the scheme cannot hold, or desc_act."""
-        super().__init__(hidden_size, config, moe_backend)
+        """Raises UnsupportedModelError for shapes the scheme cannot hold, desc_act, or a
+        tensor-parallel slice that cuts through groups (InvalidParameterError: as
+        `SparseMoeBlock`)."""
+        super().__init__(hidden_size, config, moe_backend, tp=tp)
         self.quant = quant
         self.fmt = format_of(quant.method)
         if quant.desc_act:
             raise UnsupportedModelError(
                 f"GPTQ desc_act experts are not supported yet ({quant.describe()})"
             )
-        num_experts, inter = config.num_experts, config.intermediate_size
+        num_experts, inter = self.expert_shard.size, self.intermediate_size  # this rank's
+        whole_hidden = Shard.whole(hidden_size)
+        check_sharded_groups(quant, (self.inter_shard, self.inter_shard), whole_hidden)
+        check_sharded_groups(quant, (whole_hidden,), self.inter_shard)
         check_int4_shape(
             quant, hidden_size, [inter, inter], f"experts w13 {2 * inter} x {hidden_size}"
         )
@@ -84,6 +102,14 @@ class Int4SparseMoeBlock(SparseMoeBlock):
         """
         refuse_spare_slots(num_spare, "INT4")
 
+    def enable_replicas(self, num_redundant: int) -> ExpertReplicas:
+        """Refused: replicated experts are not supported with INT4 experts yet.
+
+        Raises:
+            InvalidParameterError: always.
+        """
+        refuse_replicas("INT4")
+
     def quant_dtypes(self) -> dict[str, torch.dtype]:
         """Parameters that keep their own dtype when the model is cast (`quant.apply`)."""
         return {**int4_dtypes("w13"), **int4_dtypes("w2")}
@@ -92,43 +118,50 @@ class Int4SparseMoeBlock(SparseMoeBlock):
         """The checkpoint tensor kind filling our parameter `local` (for error messages)."""
         return checkpoint_kind(self.fmt, local.removeprefix("w13").removeprefix("w2"))
 
-    def checkpoint_target(
-        self, expert: int, part: str, kind: str
-    ) -> tuple[str, tuple[int | slice, ...], Convert | None] | None:
+    def checkpoint_target(self, expert: int, part: str, kind: str) -> Target | None:
         """Where expert `expert`'s checkpoint tensor `<part>.<kind>` goes: (our parameter's
-        local name, index, check/convert), or None when there is no such tensor.
+        local name, index, check/convert, this rank's cut of it or None), or None when there
+        is no such tensor or another expert-parallel rank holds the expert.
 
         part: "gate", "up" or "down"; kind: a kind of the format (`int4_formats.LOCAL_OF`).
         """
-        if expert >= self.config.num_experts or kind not in LOCAL_OF[self.fmt]:
+        shard = self.expert_shard
+        if kind not in LOCAL_OF[self.fmt]:
             return None
-        inter, hidden = self.config.intermediate_size, self.w2.shape[1]
-        if part == "down":
-            param, slot, rows, num_cols = "w2", 0, slice(0, hidden), inter
-        else:
-            param, slot, num_cols = "w13", int(part == "up"), hidden
-            rows = slice(slot * inter, (slot + 1) * inter)
+        if not shard.start <= expert < min(shard.stop, self.config.num_experts):
+            return None
+        slot, inter, hidden = expert - shard.start, self.intermediate_size, self.w2.shape[1]
+        if part == "down":  # [H, I]: this rank's columns
+            param, part_slot, rows, num_cols = "w2", 0, slice(0, hidden), inter
+            row_shard, col_shard = Shard.whole(hidden), self.inter_shard
+        else:  # [I, H]: this rank's rows
+            param, part_slot, num_cols = "w13", int(part == "up"), hidden
+            rows = slice(part_slot * inter, (part_slot + 1) * inter)
+            row_shard, col_shard = self.inter_shard, Shard.whole(hidden)
         local = param + LOCAL_OF[self.fmt][kind]
         if getattr(self, local) is None:
             return None
+        group = self.quant.group_size or 0
         convert = int4_converter(
-            self.fmt, kind, rows.stop - rows.start, num_cols, self.quant.group_size or 0
-        )
+            self.fmt, kind, rows.stop - rows.start, num_cols, group,
+            whole=(row_shard.full, col_shard.full), first_col=col_shard.start,
+        )  # fmt: skip
         per_part = local.endswith(("_g_idx", "_shape"))
-        return local, (expert, slot) if per_part else (expert, rows), convert
+        index = (slot, part_slot) if per_part else (slot, rows)
+        return local, index, convert, int4_cut(self.fmt, kind, row_shard, col_shard, group)
 
-    def _run_experts(
-        self, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, state: ExpertState
+    def _experts(
+        self, hidden: Tensor, topk_weights: Tensor, ids: Tensor, nonfinite: Tensor | None
     ) -> Tensor:
-        """The INT4 experts on topk_ids [T, k] -> [T, hidden_size] (no spare slots here)."""
+        """The INT4 experts of this rank's slots ids [T, k] (-1: none) -> [T, hidden_size]."""
         return self.moe_backend.experts_int4(
             hidden,
             (self.w13, self.w13_scale, self.w13_zero),
             (self.w2, self.w2_scale, self.w2_zero),
             self.quant.group_size,
             topk_weights,
-            topk_ids,
-            state.anomalous,
+            ids,
+            nonfinite,
         )
 
     def extra_repr(self) -> str:
