@@ -221,3 +221,27 @@ def test_bad_inputs() -> None:
         ctl.try_admit("t", -1, 1)
     with pytest.raises(InvalidParameterError):
         AdmissionController(TenantsConfig.default(), concurrency_retry_after_s=0)
+
+
+def test_precheck_refuses_what_any_request_would_get_and_charges_nothing() -> None:
+    """`precheck` (before tokenization) refuses exactly when no request of the tenant could
+    be admitted now: an empty request bucket, an empty token bucket, full concurrency; it
+    counts the rejection as `try_admit` would and charges no bucket."""
+    clock = FakeClock()
+    ctl = _controller(clock, requests_per_minute=1, tokens_per_minute=100, max_concurrent=2)
+    assert ctl.precheck("t") is None  # full buckets: some request fits
+    a = ctl.try_admit("t", 10, 5)
+    assert a.admitted
+    refused = ctl.precheck("t")  # the one request of this minute is taken
+    assert refused is not None and refused.reason is RejectReason.REQUESTS
+    assert (refused.http_status, refused.retry_after_s) == (429, 60)
+    assert ctl.stats("t").num_rejected == {RejectReason.REQUESTS: 1}
+    clock.set(60.0)  # refilled: the precheck charged nothing
+    assert ctl.precheck("t") is None
+    assert ctl.try_admit("t", 10, 5).admitted
+    clock.set(120.0)
+    tokens = _controller(clock, tokens_per_minute=10)
+    assert tokens.try_admit("t", 4, 6).admitted  # all 10 tokens reserved
+    assert tokens.precheck("t").reason is RejectReason.TOKENS
+    unlimited = AdmissionController(TenantsConfig.default(), clock)
+    assert unlimited.precheck("default") is None

@@ -40,6 +40,7 @@ TENANTS = TenantsConfig(
         tenant("slo-met", ttft_ms=600_000),
         tenant("slo-miss", ttft_ms=0.001),
         tenant("slo-tpot", tpot_ms=600_000),
+        tenant("capped", requests_per_minute=1),
     )
 )
 OPEN_S = 30.0
@@ -127,6 +128,31 @@ def test_red_sheds_best_effort_and_keeps_serving_guaranteed(live, pin_state) -> 
     assert value("sits:tenant_requests_total", tenant="free", outcome="503") >= 1
     stats = live.engine.stats
     assert live.wait_until(lambda: stats().borrowing_tiers == ("guaranteed",))
+
+
+def test_refusals_that_need_no_tokens_never_reach_the_tokenizer(live, monkeypatch) -> None:
+    """The trial's 429 storm: refused requests queued on the one tokenizer thread ahead of a
+    guaranteed tenant's. A tenant over its request rate is now refused before tokenization
+    (`ServerQos.precheck`), with the same 429, headers and counts, and a shed request too."""
+    ctx = ctx_of(live)
+    tokenized: list[str] = []
+    run_tokenizer = ctx.run_tokenizer
+
+    async def counting(fn, tenant, *args):
+        tokenized.append(tenant.id)
+        return await run_tokenizer(fn, tenant, *args)
+
+    monkeypatch.setattr(ctx, "run_tokenizer", counting)
+    with live.http() as http:
+        first = _complete(http, "capped")
+        refused = [_complete(http, "capped") for _ in range(5)]
+        value = scrape(live)
+    assert first.status_code == 200
+    assert [r.status_code for r in refused] == [429] * 5
+    assert {r.json()["error"]["code"] for r in refused} == {"rate_limit_exceeded"}
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert tokenized == ["capped"]  # only the admitted request was tokenized
+    assert value("sits:tenant_requests_total", tenant="capped", outcome="429") == 5
 
 
 def test_yellow_defers_best_effort_until_green(live, pin_state) -> None:

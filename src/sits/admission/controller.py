@@ -408,6 +408,36 @@ class AdmissionController:
             ticket = self._issue(limiter, reserved, now_s)
             return AdmissionDecision(ticket=ticket, rate_limits=limiter.snapshot(now_s))
 
+    def precheck(self, tenant: TenantConfig | str) -> AdmissionDecision | None:
+        """The refusal every request of `tenant` would get now, whatever its size (its
+        concurrency is full, or its request or token bucket cannot give one more), counted
+        as a rejection; None when some request could be admitted. Lets the server refuse
+        before it tokenizes: during a flood of refused requests the tokenizer then only
+        works for requests that can run. Charges nothing.
+
+        Raises:
+            KeyError: an unknown tenant.
+        """
+        with self._lock:
+            limiter = self._limiter(tenant)
+            if limiter.unlimited:
+                return None
+            now_s = self._clock.monotonic()
+            refusal = limiter.check_rate(1, now_s, self._concurrency_wait_s)
+            if refusal is None:
+                return None
+            limiter.count_rejection(refusal.reason)
+            retry_s, retry_ms = ceil_wait(refusal.wait_s or 0.0)
+            return AdmissionDecision(
+                ticket=None,
+                rate_limits=limiter.snapshot(now_s),
+                reason=refusal.reason,
+                retry_after_s=retry_s,
+                retry_after_ms=retry_ms,
+                message=refusal.message,
+                param=refusal.param,
+            )
+
     def _issue(self, limiter: TenantLimiter, reserved_tokens: int, now_s: float) -> AdmissionTicket:
         """A new ticket of an admitted request, kept until `release` (call under the lock)."""
         ticket = AdmissionTicket(self._next_ticket_id, limiter.tenant.id, reserved_tokens, now_s)

@@ -252,6 +252,7 @@ async def start_request(
         with trace.admission():
             ticket = ctx.lifecycle.admit()
             try:
+                ctx.qos.precheck(tenant)  # a refusal that needs no tokens: before the tokenizer
                 job = await ctx.run_tokenizer(prepare, tenant)
                 prompt_tokens = sum(len(p.token_ids) for p in job.prompts)
                 max_tokens = sum((p.params.max_tokens or 0) * p.params.n for p in job.prompts)

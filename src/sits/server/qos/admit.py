@@ -1,5 +1,8 @@
 """Per-request quality of service in front of the engine: tenants, breaker, overload, rate limits.
 
+`ServerQos.precheck` refuses before tokenization what `admit` would refuse whatever the
+request's size (overload shedding, an empty rate bucket, full concurrency), so a flood of
+refused requests costs no tokenizer time (one thread, shared with the requests that can run).
 `ServerQos.admit` runs, for a request already authenticated and tokenized, in this order (the
 first refusal answers, and a refused request consumes nothing; a half-open probe is handed
 back):
@@ -420,6 +423,20 @@ class ServerQos:
             raise rejection_error(decision)
         timeout_s = self.backlog_limit_s(tenant) if over_quota else None
         return QosTicket(self, tenant, decision.ticket, breaker.is_probe, timeout_s)
+
+    def precheck(self, tenant: TenantConfig) -> None:
+        """Refuse, before the prompt is tokenized, a request that `admit` would refuse
+        whatever its size: shed by the overload state (503), or over a rate or concurrency
+        limit (429, counted as `admit` counts it). The per-request size limits (400) need
+        the prompt's tokens: a request both too large and over its rate limit gets the 429.
+
+        Raises:
+            ServerError: as `admit`'s 503 (overloaded) and 429.
+        """
+        self._check_overload(tenant)
+        decision = self.admission.precheck(tenant)
+        if decision is not None:
+            raise rejection_error(decision)
 
     def backlog_limit_s(self, tenant: TenantConfig) -> float | None:
         """How long a burstable or best-effort tenant's over-quota work may wait for its
