@@ -121,8 +121,9 @@ def check_tensor_parallel_fit(config: EngineConfig, model_dir: str) -> None:
         InvalidParameterError: the size does not divide the heads, KV heads, an intermediate
             size, the experts (expert parallel) or the vocabulary (the message gives the
             numbers).
-        UnsupportedModelError: the checkpoint is quantized (TP of quantized weights is not
-            supported yet) or its architecture is not supported.
+        UnsupportedModelError: a rank's slice of quantized weights would cut through their
+            scale blocks or groups (the message names the module and gives the numbers), or
+            the architecture or quantization is not supported.
     """
     if config.tensor_parallel_size == 1:
         return
