@@ -25,6 +25,7 @@ from sits.config import EngineConfig
 from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import EngineStats
 from sits.layers.moe import SparseMoeBlock
+from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER
 from sits.models.loader import load_model
 from sits.obs.server_metrics import ServerMetrics
 from sits.parallel import TensorParallel
@@ -35,7 +36,7 @@ from sits.parallel.placement import (
     rebalance,
 )
 from sits.runner.expert_health import ExpertMonitor
-from sits.runner.expert_placement import ExpertPlacer, move_expert_weights, prepare_moe_layers
+from sits.runner.expert_placement import ExpertPlacer, move_expert_weights
 from sits.testing.tiny import cached_tiny_checkpoint
 from tests.engine.hf_reference import random_prompts
 from tests.models.paged import PagedRunner
@@ -201,9 +202,7 @@ def test_load_aware_engine_re_places_while_serving(tiny_model_factory) -> None:
         placer = two.engine_core.runner.expert_placer
         assert isinstance(placer, ExpertPlacer)
         got, checks = _serve(two, prompts)
-        stats = ExpertMonitor.of_model(
-            two.engine_core.runner.model, freeze_after=0, placement=placer
-        ).read()
+        stats = ExpertMonitor.of_runner(two.engine_core.runner).read()
     finally:
         for llm in (one, two):
             if llm is not None:
@@ -265,9 +264,9 @@ class _Engine:
 
 
 def test_a_placer_only_with_load_aware_on_moe_layers(tiny_model_factory) -> None:
-    """`prepare_moe_layers` (no process group: nothing runs a collective): the static policy
-    keeps today's contiguous shard; load-aware enables every MoE layer's replicas; a dense
-    model gets no placer; with two ranks the health check only counts."""
+    """`ExpertPlacer.of_model` (no process group: nothing runs a collective): the static
+    policy keeps today's contiguous shard; load-aware enables every MoE layer's replicas; a
+    dense model gets no placer; with two ranks the health check keeps its freeze_after."""
     model_dir = str(tiny_model_factory("qwen3_moe"))
     tp = TensorParallel(rank=1, size=2, expert_parallel=True)
     static = EngineConfig(model=model_dir, tensor_parallel_size=2, enable_expert_parallel=True)
@@ -275,14 +274,16 @@ def test_a_placer_only_with_load_aware_on_moe_layers(tiny_model_factory) -> None
         expert_router_policy="load-aware", num_redundant_experts=2, expert_rebalance_interval=7
     )
     model = load_model(model_dir, torch.float32, "cpu", tp=tp)
-    assert prepare_moe_layers(model, static, rank=1) is None
+    assert ExpertPlacer.of_model(model, static, rank=1) is None
     assert all(b.replicas() is None and b.w13.shape[0] == 4 for b in _moe_blocks(model))
-    assert all(int(b.expert_state().freeze_after) == 0 for b in _moe_blocks(model))
-    placer = prepare_moe_layers(model, load_aware, rank=1)
+    assert all(
+        int(b.expert_state().freeze_after) == DEFAULT_FREEZE_AFTER for b in _moe_blocks(model)
+    )
+    placer = ExpertPlacer.of_model(model, load_aware, rank=1)
     assert isinstance(placer, ExpertPlacer) and list(placer.blocks) == [0, 1]
     assert (placer.size, placer.num_redundant, placer.interval_steps) == (2, 2, 7)
     for block in _moe_blocks(model):
         assert block.w13.shape[0] == 5
         assert block.replicas().placement == contiguous_placement(8, 2, 5)
     dense = load_model(str(tiny_model_factory("llama")), torch.float32, "cpu", tp=tp)
-    assert prepare_moe_layers(dense, load_aware, rank=1) is None
+    assert ExpertPlacer.of_model(dense, load_aware, rank=1) is None

@@ -230,7 +230,7 @@ def test_async_scheduling_under_two_ranks_gives_one_ranks_greedy_tokens(tiny_mod
 
 def _expert_counts(llm: LLM) -> list[list[int]]:
     """Rank 0's per-layer expert token counts, as the engine's `ExpertMonitor` reads them."""
-    stats = ExpertMonitor.of_model(llm.engine_core.runner.model, freeze_after=0).read()
+    stats = ExpertMonitor.of_runner(llm.engine_core.runner).read()
     return [list(layer.num_tokens) for layer in stats.layers]
 
 

@@ -32,8 +32,9 @@ this same loop with the same rules:
 "stalled" rule, the periodic copy of the MoE expert counters to the host (which also restores
 frozen experts when the monitor auto-restores), the named expert operations, and the
 `EngineStats` snapshots with their rate-limited per-tenant scan. It runs on the engine's own
-thread only. With more than one tensor-parallel rank the expert counters are only read (rank
-0's): no automatic freeze or restore, and the expert operations are refused. Its rules:
+thread only. With more than one tensor-parallel rank the expert counters are rank 0's (every
+rank's are equal), and the freezes, unfreezes and restores, the operator's and the automatic
+ones, reach every rank before the next step (`ExpertMonitor.of_runner`). Its rules:
 - A step is stalled when it produced nothing, nothing runs, nothing was preempted and (async
   scheduling) no step is in flight: the waiting work cannot start (e.g. deferred by
   `set_borrowing_tiers`) and the next step would decide the same, so the caller waits for a
@@ -363,21 +364,11 @@ class EngineDriver:
     ) -> None:
         self.core = core
         self.info = info
-        runner = core.runner
-        self.tensor_parallel_size = config.tensor_parallel_size
-        if self.tensor_parallel_size > 1 and (expert_freeze_after or restore_frozen_experts):
-            logger.info(
-                "tensor parallel: the MoE health check only counts (no automatic freeze or "
-                "restore: every rank must route alike)"
-            )
-            expert_freeze_after, restore_frozen_experts = 0, False
-        monitor = ExpertMonitor.of_model(
-            runner.model,
+        monitor = ExpertMonitor.of_runner(
+            core.runner,
             expert_freeze_after,
             model_dir=info.model_dir,
             auto_restore=restore_frozen_experts or config.num_spare_experts > 0,
-            twins=[m for m in runner.models.values() if m is not runner.model],
-            placement=getattr(runner, "expert_placer", None),
         )
         self.experts = monitor if monitor.blocks else None
         self.expert_stats: ExpertStats | None = None
@@ -428,18 +419,12 @@ class EngineDriver:
         """Run "freeze", "unfreeze" or "restore" on one expert; returns a fresh read.
 
         Raises:
-            InvalidParameterError: a dense model, more than one tensor-parallel rank, or a
-                layer/expert out of range (the monitor's errors); UnsupportedModelError: a
-                restore the checkpoint cannot serve; ValueError: an unknown operation.
+            InvalidParameterError: a dense model, or a layer/expert out of range (the
+                monitor's errors); UnsupportedModelError: a restore the checkpoint cannot
+                serve; ValueError: an unknown operation.
         """
         if self.experts is None:
             raise InvalidParameterError("layer", "the model has no MoE layers")
-        if self.tensor_parallel_size > 1:  # rank 0's experts alone would route unlike the rest
-            raise InvalidParameterError(
-                "tensor_parallel_size",
-                f"expert {name} is not supported with tensor_parallel_size "
-                f"{self.tensor_parallel_size} yet",
-            )
         if name == "freeze":
             self.experts.freeze(layer_id, expert_id)
         elif name == "unfreeze":

@@ -67,8 +67,8 @@ class LLM:
         self._counter = itertools.count()
         self.experts: ExpertMonitor | None = None
         if self.config.num_spare_experts > 0:
-            monitor = ExpertMonitor.of_model(
-                parts.core.runner.model, model_dir=parts.info.model_dir, auto_restore=True
+            monitor = ExpertMonitor.of_runner(
+                parts.core.runner, model_dir=parts.info.model_dir, auto_restore=True
             )
             self.experts = monitor if monitor.blocks else None
 

@@ -262,6 +262,19 @@ class SparseMoeBlock(nn.Module):
         slots = self.expert_slots()
         return expert_id if slots is None else slots.slot_of[expert_id]
 
+    def local_slots(self, expert_id: int) -> list[int]:
+        """The slots of this rank's w13 / w2 holding logical expert `expert_id` (host
+        bookkeeping): `physical_slot` when the rank holds every expert; with expert
+        parallelism its local slot when it holds the expert, none when another rank does, and
+        with replicas every local slot the placement gives the expert."""
+        if self._replicas is not None:
+            row = self._replicas.placement.slots[self.tp.rank]
+            return [slot for slot, expert in enumerate(row) if expert == expert_id]
+        shard = self.expert_shard
+        if not shard.is_whole:
+            return [expert_id - shard.start] if shard.start <= expert_id < shard.stop else []
+        return [self.physical_slot(expert_id)]
+
     def clear_free_slots(self) -> None:
         """Zero the weights of the slots no expert holds (garbage after `to_empty`)."""
         slots = self.expert_slots()

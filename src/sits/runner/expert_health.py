@@ -14,23 +14,29 @@ Invariants:
   `read` every few steps, so the reload runs between steps without a per-step host sync.
 - With the load-aware expert placement (`placement`, `runner.expert_placement`) each read
   also carries its figures (`ExpertStats.placement`), read on the host with no device sync.
+- Every change to the experts' state (freeze_after, freeze, unfreeze, restore) is an
+  `runner.expert_ops.ExpertOp`, applied here and, with tensor parallelism, handed to the
+  other ranks (`peers`: `TensorParallelRunner.send_expert_op`), which apply it before the
+  next step's forward; so every rank freezes, unfreezes and restores alike. The device
+  state is read on this rank (rank 0) only: the ranks' states are equal.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sits.core.errors import InvalidParameterError
-from sits.layers.moe import SparseMoeBlock
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER, ExpertState
 from sits.layers.quant.fill import quantize_experts_
+from sits.runner.expert_ops import ExpertOp, ExpertOpKind, apply_expert_op, moe_blocks
 from sits.runner.expert_placement import ExpertPlacer, PlacementStats
-from sits.runner.expert_restore import restore_expert, restore_expert_into_spare
+from sits.runner.model_runner import ModelRunner
+from sits.runner.tp_executor import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +142,9 @@ class ExpertMonitor:
             restored expert into them, so both sets hold the checkpoint's expert again.
         placement: the runner's load-aware `ExpertPlacer` (its `stats()` go in each read),
             or None.
+        peers: with tensor parallelism, hands each op applied here to the other ranks
+            (`TensorParallelRunner.send_expert_op`; `of_runner` passes it); None with one
+            rank.
 
     Attributes:
         newly_frozen: (layer, expert) frozen by the health check since the previous `read`.
@@ -144,6 +153,8 @@ class ExpertMonitor:
 
     Raises:
         InvalidParameterError: negative `freeze_after`, or `auto_restore` without `model_dir`.
+        ValueError: blocks of a tensor-parallel shard without `peers` (its operations would
+            reach rank 0 alone).
     """
 
     def __init__(
@@ -155,6 +166,7 @@ class ExpertMonitor:
         auto_restore: bool = False,
         twin_blocks: Mapping[int, Sequence[nn.Module]] | None = None,
         placement: ExpertPlacer | None = None,
+        peers: Callable[[ExpertOp], None] | None = None,
     ):
         if freeze_after < 0:
             raise InvalidParameterError("freeze_after", f"must be >= 0, got {freeze_after}")
@@ -166,14 +178,19 @@ class ExpertMonitor:
         self.model_dir = model_dir
         self.auto_restore = auto_restore
         self.placement = placement
+        self.peers = peers
+        if peers is None and any(block.tp.size > 1 for block in self.blocks.values()):
+            raise ValueError(
+                "a tensor-parallel model's ExpertMonitor needs peers (ExpertMonitor.of_runner)"
+            )
         self.num_auto_freezes = 0
         self.num_restores = 0
         self.num_spare_restores = 0
         self.newly_frozen: list[tuple[int, int]] = []
         self._operator_frozen: set[tuple[int, int]] = set()
         self._known_frozen: set[tuple[int, int]] = set()
-        for block in self.blocks.values():
-            block.expert_state().set_freeze_after(freeze_after)
+        if self.blocks:
+            self._apply(ExpertOp(ExpertOpKind.SET_FREEZE_AFTER, freeze_after=freeze_after))
 
     @classmethod
     def of_model(
@@ -185,13 +202,14 @@ class ExpertMonitor:
         auto_restore: bool = False,
         twins: Sequence[nn.Module] = (),
         placement: ExpertPlacer | None = None,
+        peers: Callable[[ExpertOp], None] | None = None,
     ) -> ExpertMonitor:
         """The monitor of every `SparseMoeBlock` in `model.model.layers` (may be empty);
         `twins`: the other resident weight sets of the same model (see `twin_blocks`);
-        `placement`: as the constructor's."""
-        blocks = _moe_blocks(model)
+        `placement`, `peers`: as the constructor's."""
+        blocks = moe_blocks(model)
         twin_blocks = {
-            layer_id: [_moe_blocks(twin)[layer_id] for twin in twins] for layer_id in blocks
+            layer_id: [moe_blocks(twin)[layer_id] for twin in twins] for layer_id in blocks
         }
         return cls(
             blocks,
@@ -200,6 +218,29 @@ class ExpertMonitor:
             auto_restore=auto_restore,
             twin_blocks=twin_blocks,
             placement=placement,
+            peers=peers,
+        )
+
+    @classmethod
+    def of_runner(
+        cls,
+        runner: ModelRunner,
+        freeze_after: int = DEFAULT_FREEZE_AFTER,
+        *,
+        model_dir: str | None = None,
+        auto_restore: bool = False,
+    ) -> ExpertMonitor:
+        """The monitor of a runner's model (`of_model`), its other weight sets as twins, its
+        load-aware placer, and, for a `TensorParallelRunner`, its workers as peers."""
+        peers = runner.send_expert_op if isinstance(runner, TensorParallelRunner) else None
+        return cls.of_model(
+            runner.model,
+            freeze_after,
+            model_dir=model_dir,
+            auto_restore=auto_restore,
+            twins=[m for m in runner.models.values() if m is not runner.model],
+            placement=runner.expert_placer,
+            peers=peers,
         )
 
     @property
@@ -284,6 +325,13 @@ class ExpertMonitor:
             placement=self.placement.stats() if self.placement is not None else None,
         )
 
+    def _apply(self, op: ExpertOp) -> int | None:
+        """Apply `op` here, then hand it to the other ranks (when it did not raise)."""
+        result = apply_expert_op(self.blocks, op)
+        if self.peers is not None:
+            self.peers(op)
+        return result
+
     def _state(self, layer_id: int, expert_id: int) -> ExpertState:
         block = self.blocks.get(layer_id)
         if block is None:
@@ -310,7 +358,7 @@ class ExpertMonitor:
                 raise InvalidParameterError(
                     "expert", f"freezing it would leave fewer than top_k={state.top_k} experts"
                 )
-            state.frozen[expert_id] = True
+        self._apply(ExpertOp(ExpertOpKind.FREEZE, layer_id, expert_id))
         self._operator_frozen.add((layer_id, expert_id))
         logger.warning("MoE expert frozen by an operator: layer %d expert %d", layer_id, expert_id)
 
@@ -320,10 +368,8 @@ class ExpertMonitor:
         Raises:
             InvalidParameterError: no such MoE layer or expert.
         """
-        state = self._state(layer_id, expert_id)
-        with torch.inference_mode():
-            state.frozen[expert_id] = False
-            state.streak[expert_id] = 0
+        self._state(layer_id, expert_id)
+        self._apply(ExpertOp(ExpertOpKind.UNFREEZE, layer_id, expert_id))
         self._operator_frozen.discard((layer_id, expert_id))
         logger.warning("MoE expert unfrozen: layer %d expert %d", layer_id, expert_id)
 
@@ -347,9 +393,11 @@ class ExpertMonitor:
             raise InvalidParameterError("model_dir", "no checkpoint directory to restore from")
         block = self.blocks[layer_id]
         slots = block.expert_slots()
-        if slots is not None and slots.next_free_slot() is not None:
-            old_slot = block.physical_slot(expert_id)
-            slot = restore_expert_into_spare(block, model_dir, layer_id, expert_id)
+        into_spare = slots is not None and slots.next_free_slot() is not None
+        old_slot = block.physical_slot(expert_id)
+        slot = self._apply(ExpertOp(ExpertOpKind.RESTORE, layer_id, expert_id, model_dir=model_dir))
+        assert slot is not None, "a restore gives the expert's slot"
+        if into_spare:
             self.num_spare_restores += 1
             logger.warning(
                 "MoE expert restored from the checkpoint into spare slot %d: layer %d expert %d "
@@ -360,8 +408,6 @@ class ExpertMonitor:
                 old_slot,
             )
         else:
-            restore_expert(block, model_dir, layer_id, expert_id)
-            slot = block.physical_slot(expert_id)
             for twin in self.twin_blocks.get(layer_id, ()):
                 quantize_experts_(twin, block.w13, block.w2, experts=(expert_id,))
             logger.warning(
@@ -381,13 +427,4 @@ def _slot_stats(block: nn.Module) -> dict:
         "expert_slots": tuple(slots.slot_of),
         "num_free_slots": len(slots.free_slots),
         "num_relocated": slots.num_relocated,
-    }
-
-
-def _moe_blocks(model: nn.Module) -> dict[int, nn.Module]:
-    """Decoder layer id -> its `SparseMoeBlock`, for the MoE layers of `model.model.layers`."""
-    return {
-        layer_id: layer.mlp
-        for layer_id, layer in enumerate(model.model.layers)
-        if isinstance(layer.mlp, SparseMoeBlock)
     }

@@ -262,21 +262,6 @@ class ExpertPlacer:
         )
 
 
-def prepare_moe_layers(model: nn.Module, config: EngineConfig, rank: int) -> ExpertPlacer | None:
-    """A loaded rank's MoE layers for its tensor-parallel group: with more than one rank
-    the health check only counts (freeze_after 0: no rank freezes an expert on its own, as
-    every rank must route alike); with the load-aware policy, the rank's `ExpertPlacer`.
-
-    Returns:
-        The placer, or None (static policy, or no MoE layers).
-    """
-    if config.tensor_parallel_size > 1:
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.expert_state().set_freeze_after(0)
-    return ExpertPlacer.of_model(model, config, rank)
-
-
 def _better(load: Sequence[int], current: Placement) -> Placement:
     """`rebalance`'s placement when it lowers the imbalance of `load`, else `current`."""
     new = rebalance(load, current)

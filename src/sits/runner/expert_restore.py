@@ -6,10 +6,16 @@ Invariants:
   Mixtral's `layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}`) or fused expert tensors
   (`layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]).
 - The copy goes into the block's weights in place (same storage, the block's dtype and
-  device): `restore_expert` overwrites the slot the expert uses now; with spare slots
+  device): `restore_expert` overwrites the slots the expert uses now; with spare slots
   (`layers.expert_slots`) `restore_expert_into_spare` fills the oldest free slot first and
   only then points the routing table at it, so the expert's old slot is never read while
-  half written. Callers run both between steps (the engine thread).
+  half written. Callers run both between steps (the engine thread; with tensor parallelism
+  every rank, `runner.expert_ops`).
+- Tensor parallelism: a rank writes only what it holds of the expert: its slice
+  `SparseMoeBlock.inter_shard` of the intermediate dimension (the gate rows and up rows of
+  w13, the columns of w2, as the loader slices them), or, with expert parallelism, the whole
+  expert into each of its local slots holding it (`SparseMoeBlock.local_slots`: none on a
+  rank without it, which reads nothing; several with replicas).
 """
 
 from __future__ import annotations
@@ -70,16 +76,23 @@ def read_expert_weights(model_dir: str, layer_id: int, expert_id: int) -> tuple[
 
 
 def _read_checked(block, model_dir: str, layer_id: int, expert_id: int) -> tuple[Tensor, Tensor]:
-    """`read_expert_weights`, checked against the block's per-slot shapes."""
+    """`read_expert_weights`, checked against the checkpoint's expert shapes, cut to this
+    rank's slice of the intermediate dimension: (w13 [2I_r, H], w2 [H, I_r]), I_r =
+    `block.intermediate_size`."""
     if getattr(block, "quant", None) is not None:
         raise UnsupportedModelError("reloading an expert is not supported with FP8 experts yet")
     w13, w2 = read_expert_weights(model_dir, layer_id, expert_id)
-    if w13.shape != block.w13.shape[1:] or w2.shape != block.w2.shape[1:]:
+    inter, hidden_size = block.inter_shard, block.w13.shape[2]
+    expected = ((2 * inter.full, hidden_size), (hidden_size, inter.full))
+    if (tuple(w13.shape), tuple(w2.shape)) != expected:
         raise UnsupportedModelError(
             f"checkpoint expert {layer_id}.{expert_id} has shapes {tuple(w13.shape)}, "
-            f"{tuple(w2.shape)}; the model expects {tuple(block.w13.shape[1:])}, "
-            f"{tuple(block.w2.shape[1:])}"
+            f"{tuple(w2.shape)}; the model expects {expected[0]}, {expected[1]}"
         )
+    if not inter.is_whole:
+        gate, up = w13.chunk(2, dim=0)  # [I, H] each
+        w13 = torch.cat([gate[inter.start : inter.stop], up[inter.start : inter.stop]])
+        w2 = w2[:, inter.start : inter.stop]  # [H, I_r]
     return w13, w2
 
 
@@ -90,20 +103,26 @@ def _write_slot(block, slot: int, w13: Tensor, w2: Tensor) -> None:
 
 
 def restore_expert(block, model_dir: str, layer_id: int, expert_id: int) -> None:
-    """Copy the checkpoint's weights of expert `expert_id` into the slot of `block` (a
-    SparseMoeBlock) that holds it now (`block.physical_slot`).
+    """Copy the checkpoint's weights of expert `expert_id` (this rank's part) into every slot
+    of `block` (a SparseMoeBlock) that holds it now (`block.local_slots`); a rank holding
+    none of it (expert parallelism) reads nothing.
 
     Raises:
         UnsupportedModelError: missing weights, or shapes that do not match the block.
     """
+    slots = block.local_slots(expert_id)
+    if not slots:
+        return
     w13, w2 = _read_checked(block, model_dir, layer_id, expert_id)
-    _write_slot(block, block.physical_slot(expert_id), w13, w2)
+    for slot in slots:
+        _write_slot(block, slot, w13, w2)
 
 
 def restore_expert_into_spare(block, model_dir: str, layer_id: int, expert_id: int) -> int:
-    """Load the checkpoint's weights of expert `expert_id` into the oldest free slot of `block`
-    (a SparseMoeBlock with spare slots), then point its routing table there; the slot it
-    leaves becomes a free spare (`ExpertSlots.switch`).
+    """Load the checkpoint's weights of expert `expert_id` (this rank's slice under tensor
+    parallelism) into the oldest free slot of `block` (a SparseMoeBlock with spare slots),
+    then point its routing table there; the slot it leaves becomes a free spare
+    (`ExpertSlots.switch`).
 
     Returns:
         The expert's new physical slot.

@@ -19,8 +19,8 @@ each name to its model, each with its own warm-up and CUDA graphs over the one K
 
 With `tensor_parallel_size` N > 1 the runner is one rank of N (`rank`; the default process
 group is up, `sits.runner.tp_executor`): every rank takes the KV block count `agree_num_blocks`
-gives (the smallest of all, so the one scheduler's block ids are valid everywhere), the MoE
-health check's freezing is off (ranks must route alike) and no CUDA graph is captured.
+gives (the smallest of all, so the one scheduler's block ids are valid everywhere) and no
+CUDA graph is captured.
 With `enable_expert_parallel` the rank's MoE layers hold whole experts (`layers.moe`).
 """
 
@@ -60,7 +60,7 @@ from sits.runner.cuda_graphs import (
     graph_batch_sizes,
     mixed_token_buckets,
 )
-from sits.runner.expert_placement import prepare_moe_layers
+from sits.runner.expert_placement import ExpertPlacer
 from sits.runner.input_buffers import InputBuffers
 from sits.runner.kv_cache_alloc import (
     allocate_kv_caches,
@@ -153,7 +153,7 @@ class ModelRunner:
             tp=TensorParallel(rank, config.tensor_parallel_size, config.enable_expert_parallel),
         )
         self.model.eval()
-        self.expert_placer = prepare_moe_layers(self.model, config, rank)
+        self.expert_placer = ExpertPlacer.of_model(self.model, config, rank)
         arch = self.model.arch
         self.kv_cache_dtype = config.kv_cache_dtype
         bytes_per_block = kv_bytes_per_block(

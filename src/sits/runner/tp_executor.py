@@ -19,9 +19,11 @@ up to `START_TIMEOUT_S`, so the collectives' timeout bounds only the steps). The
 3. sends the `StepPlan`, pickled, to the workers: an all_reduce of its length (the workers
    add 0: it completes only when every worker has finished its previous step, so a hung
    worker fails here within `EngineConfig.tensor_parallel_timeout_s`) and a broadcast of
-   the bytes,
-4. every rank runs the plan; rank 0's `StepResult` is the engine's, the workers drop theirs
-   (each request's sampling is seeded alike on every rank, so the ranks agree).
+   the bytes, together with the MoE expert operations rank 0 applied since the previous
+   plan (`send_expert_op`: freeze_after, freeze, unfreeze, restore; `runner.expert_ops`),
+4. every worker applies those operations, in order, then every rank runs the plan; rank 0's
+   `StepResult` is the engine's, the workers drop theirs (each request's sampling is seeded
+   alike on every rank, so the ranks agree).
 
 Async scheduling (`launch` / `collect`) keeps that order: rank 0 sends step N+1 before it
 collects N, marked to be launched after the step each worker launched last; a worker fills
@@ -35,15 +37,17 @@ fails every open request. `shutdown` asks the workers to stop, joins them (killi
 
 What the engine asks of rank 0's runner beyond `run`, with more than one rank:
 - carried to the workers: everything in the plan (new and finished requests, the host KV
-  tier's swap copies `plan.swap_out` / `swap_in`, run by each rank on its own KV cache);
-- read on rank 0 only: the MoE expert counters (routing is replicated, so rank 0 counts the
-  tokens of every rank);
+  tier's swap copies `plan.swap_out` / `swap_in`, run by each rank on its own KV cache) and
+  the expert operations beside it (each rank restores its own slice, or its own whole
+  experts, from the checkpoint);
+- read on rank 0 only: the MoE expert counters and health (routing is replicated and the
+  experts' non-finite flags are OR-ed over the ranks in each MoE all-reduce, so every rank
+  counts the same tokens and its health check freezes the same experts at the same step);
 - refused at start (`EngineConfig`): the precision switch (`set_precision`), spare expert
-  slots, async scheduling with load-aware expert placement (`launch` does not re-place);
-  refused when called (`EngineDriver`): expert freeze / unfreeze / restore; off: the health
-  check's automatic freezing and CUDA graphs (steps run eagerly). A second tensor-parallel
-  engine in one process is refused (one default process group per process), and so is a CUDA
-  run with more ranks than visible devices.
+  slots with expert parallelism, async scheduling with load-aware expert placement (`launch`
+  does not re-place); off: CUDA graphs (steps run eagerly). A second tensor-parallel engine
+  in one process is refused (one default process group per process), and so is a CUDA run
+  with more ranks than visible devices.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from sits.core.plan import StepPlan, StepResult
 from sits.models.loader import build_meta_model
 from sits.parallel import TensorParallel
 from sits.parallel.topology import RankBinding, bind_process, plan_ranks
+from sits.runner.expert_ops import ExpertOp, apply_expert_op, moe_blocks
 from sits.runner.model_info import ModelInfo
 from sits.runner.model_runner import LaunchedStep, ModelRunner
 
@@ -197,9 +202,10 @@ def _worker_blocks(store: dist.Store, rank: int, num_blocks: int) -> int:
     return int(store.get(_BLOCKS_KEY))
 
 
-def _receive_plan(group: _Group) -> tuple[str, StepPlan]:
+def _receive_plan(group: _Group) -> tuple[str, StepPlan, tuple[ExpertOp, ...]]:
     """A worker's side of `TensorParallelRunner._send_plan`: the length, then the bytes of
-    (how to run it: `_RUN`, `_LAUNCH` or `_LAUNCH_AFTER`; the plan)."""
+    (how to run it: `_RUN`, `_LAUNCH` or `_LAUNCH_AFTER`; the plan; the expert operations to
+    apply before it)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.all_reduce(length, group=group.control)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -208,12 +214,16 @@ def _receive_plan(group: _Group) -> tuple[str, StepPlan]:
 
 
 def _run_plans(conn: Connection, group: _Group, runner: ModelRunner) -> None:
-    """A worker's steps: each plan rank 0 sends, run as rank 0 runs it (`run`, or `launch`
-    after the step this worker launched last, whose sampled tokens, the same on every rank,
-    fill the plan's placeholders), until `_STOP` or EOF on `conn`."""
+    """A worker's steps: each plan rank 0 sends, after the expert operations that came with
+    it, run as rank 0 runs it (`run`, or `launch` after the step this worker launched last,
+    whose sampled tokens, the same on every rank, fill the plan's placeholders), until
+    `_STOP` or EOF on `conn`."""
     previous: LaunchedStep | None = None  # the step launched last (async scheduling)
+    blocks = moe_blocks(runner.model)
     while conn.recv_bytes() == _WAKE:
-        mode, plan = _receive_plan(group)
+        mode, plan, expert_ops = _receive_plan(group)
+        for op in expert_ops:
+            apply_expert_op(blocks, op)
         if mode == _RUN:
             runner.run(plan)
             previous = None
@@ -347,6 +357,7 @@ class TensorParallelRunner(ModelRunner):
             )
         self.workers: list[_Worker] = []
         self.failure: TensorParallelWorkerError | None = None
+        self._expert_ops: list[ExpertOp] = []  # applied here, sent with the next plan
         self.bindings = plan_ranks(size, info.device)
         bind_process(self.bindings[0], 0)
         timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
@@ -469,6 +480,11 @@ class TensorParallelRunner(ModelRunner):
                 raise
             raise failure from exc
 
+    def send_expert_op(self, op: ExpertOp) -> None:
+        """Have every worker apply `op` (already applied on rank 0, between steps) before the
+        next plan it runs (`ExpertMonitor` calls it; `runner.expert_ops`)."""
+        self._expert_ops.append(op)
+
     def _step_failure(self, exc: RuntimeError) -> TensorParallelWorkerError | None:
         """The runner's failure when a step's RuntimeError comes from a collective (a peer
         failed or hung) or a worker has failed; None when it is the step's own error."""
@@ -478,13 +494,17 @@ class TensorParallelRunner(ModelRunner):
 
     def _send_plan(self, mode: str, plan: StepPlan) -> None:
         """Wake each worker, then the length (all_reduce: waits for every worker) and the
-        pickled bytes (broadcast) of (mode, plan) over the control group."""
+        pickled bytes (broadcast) of (mode, plan, the expert operations since the previous
+        plan) over the control group."""
         if self.failure is not None:
             raise self.failure
         for worker in self.workers:
             if not worker.process.is_alive():
                 raise self._fail(self._exit_text(worker))
-        payload = pickle.dumps((mode, plan), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(
+            (mode, plan, tuple(self._expert_ops)), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        self._expert_ops.clear()
         try:
             for worker in self.workers:
                 worker.conn.send_bytes(_WAKE)
