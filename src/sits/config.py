@@ -99,7 +99,9 @@ class EngineConfig:
         num_spare_experts: spare expert weight slots per MoE layer (0, the default: none, no
             extra memory). With N > 0 an expert frozen by the health check is reloaded from
             the checkpoint into a spare slot, routed there and unfrozen automatically
-            (`sits.layers.expert_slots`); ignored for dense models.
+            (`sits.layers.expert_slots`); ignored for dense models. With tensor parallelism
+            every rank's spare slots hold its slice of the restored expert; refused with
+            enable_expert_parallel (a spare would have to sit on its expert's rank).
         precision_switch: None (the default: one weight set) or "fp8" / "int4": keep a
             low-precision twin of the model-dtype weights resident too (online quantization
             of an unquantized checkpoint, `sits.models.precision_twin`) and let the operator
@@ -114,16 +116,17 @@ class EngineConfig:
             schedules) and N - 1 worker processes run every step with it
             (`sits.runner.tp_executor`): gloo on a CPU, NCCL on N CUDA devices from rank 0's
             on, ordered and CPU-bound by the GPU topology (`sits.parallel.topology`).
-            With N > 1, precision_switch, num_spare_experts, and async_scheduling with
-            expert_router_policy "load-aware" are refused and CUDA graphs are not captured
-            (every step runs eagerly).
+            With N > 1, precision_switch and async_scheduling with expert_router_policy
+            "load-aware" are refused and CUDA graphs are not captured (every step runs
+            eagerly); the MoE health check, the expert operations and spare experts work
+            on every rank alike.
         enable_expert_parallel: vLLM's `--enable-expert-parallel`: with tensor_parallel_size
             N, every MoE layer places its experts whole on the ranks (rank r holds experts
             [r * E / N, (r + 1) * E / N); N must divide E, refused at load with the numbers)
             instead of slicing every expert; attention and dense layers stay tensor
             parallel. A dense model, or N = 1, runs as without it (a log line says so for
-            a dense model). With N > 1, as without it, spare experts are refused and the
-            MoE health check only counts (no freeze or restore).
+            a dense model). With N > 1 spare experts are refused; the health check freezes
+            and restores experts as without it (each rank its own experts).
         tensor_parallel_timeout_s: seconds a collective between the ranks may wait (the
             gloo/NCCL timeout) before the step fails with `TensorParallelWorkerError`: a hung
             worker fails the engine within this time.
@@ -276,16 +279,20 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             "async_scheduling is not supported with expert_router_policy 'load-aware' yet "
             "(experts are re-placed before synchronous steps only)",
         )
-    refused = {
-        "precision_switch": config.precision_switch is not None,
-        "num_spare_experts": config.num_spare_experts > 0,
-    }
-    for name, is_set in refused.items():
-        if is_set:
-            raise InvalidParameterError(
-                name,
-                f"{name} is not supported with tensor_parallel_size {size} yet (only with 1)",
-            )
+    if config.precision_switch is not None:
+        raise InvalidParameterError(
+            "precision_switch",
+            f"precision_switch is not supported with tensor_parallel_size {size} yet (only with 1)",
+        )
+    if config.num_spare_experts and config.enable_expert_parallel:
+        raise InvalidParameterError(
+            "num_spare_experts",
+            f"num_spare_experts {config.num_spare_experts} is not supported with "
+            f"enable_expert_parallel (tensor_parallel_size {size}): a spare slot would have "
+            "to sit on the rank holding its expert, while the spare table maps every expert "
+            "into one rank's slots (and load-aware's replica tables already place experts "
+            "across the ranks' slots)",
+        )
 
 
 EXPERT_ROUTER_POLICIES = ("static", "load-aware")

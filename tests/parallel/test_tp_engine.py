@@ -342,7 +342,12 @@ def test_flag_and_kwarg() -> None:
             "async_scheduling is not supported with expert_router_policy 'load-aware'",
         ),
         ({"precision_switch": "fp8"}, "precision_switch", "tensor_parallel_size 2"),
-        ({"num_spare_experts": 1}, "num_spare_experts", "tensor_parallel_size 2"),
+        (
+            {"num_spare_experts": 1, "enable_expert_parallel": True},
+            "num_spare_experts",
+            "not supported with enable_expert_parallel .* a spare slot would have to sit on "
+            "the rank holding its expert",
+        ),
     ],
 )
 def test_misconfiguration_is_refused(changes: dict, param: str, message: str) -> None:

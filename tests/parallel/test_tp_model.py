@@ -226,11 +226,11 @@ def test_shapes_the_size_does_not_divide_are_refused(
         build_meta_model(model_dir, tp=TensorParallel(rank=0, size=size))
 
 
-def test_spare_experts_are_refused_with_tp(tmp_path: Path) -> None:
+def test_spare_experts_are_refused_with_expert_parallel(tmp_path: Path) -> None:
     model_dir = _config_dir(tmp_path, "qwen3_moe")
-    tp = TensorParallel(rank=1, size=2)
-    with pytest.raises(InvalidParameterError, match="num_spare_experts=1 with tensor parallel"):
-        load_model(model_dir, torch.float32, "cpu", num_spare_experts=1, tp=tp)
+    ep = TensorParallel(rank=1, size=2, expert_parallel=True)
+    with pytest.raises(InvalidParameterError, match="sit on the rank holding its expert"):
+        load_model(model_dir, torch.float32, "cpu", num_spare_experts=1, tp=ep)
 
 
 def test_tensor_parallel_state() -> None:

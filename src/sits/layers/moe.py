@@ -29,8 +29,9 @@ Invariants:
   hold this rank's slice `inter_shard` of the intermediate dimension, and the weighted expert
   sum is summed over the ranks once per layer. The experts' non-finite flags ride in the same
   all-reduce (appended to the output), so every rank folds the same `anomalous` flags and
-  freezes the same experts. Spare slots are not combined with tensor parallelism (the loader
-  refuses them).
+  freezes the same experts at the same step. Spare slots work alike: every rank's spare slots
+  hold its slice, and since every restore runs on every rank (`runner.expert_ops`) the slot
+  tables stay equal. They are refused with expert parallelism (`add_spare_slots`).
 - Expert parallelism (`tp.expert_parallel`, EP size = tp.size): rank r holds the whole
   experts `expert_shard` = [r * E / size, (r + 1) * E / size) in its w13 / w2 (local slot
   e - start). Routing stays replicated and logical; before the experts each rank maps the
@@ -190,7 +191,10 @@ class SparseMoeBlock(nn.Module):
         if not self.expert_shard.is_whole:
             raise InvalidParameterError(
                 "num_spare_experts",
-                f"num_spare_experts={num_spare} is not supported with expert parallelism yet",
+                f"num_spare_experts={num_spare} is not supported with expert parallelism: a "
+                "spare slot would have to sit on the rank holding its expert, while the spare "
+                "table maps every expert into one rank's slots (and load-aware's replica "
+                "tables already place experts across the ranks' slots)",
             )
         assert self.num_spare_experts == 0 and self._expert_slots is None, "spares added twice"
         num_experts = self.config.num_experts

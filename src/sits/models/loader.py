@@ -29,6 +29,8 @@ is cast and copied, so a rank never holds more of the model on its device than i
 With `tp.expert_parallel` a rank's MoE layers hold whole experts (`SparseMoeBlock.expert_shard`):
 the other ranks' per-expert tensors are skipped unread, and the coverage check counts this
 rank's experts exactly.
+Spare expert slots hold the rank's slice of an expert; with tp.expert_parallel they are
+refused (`SparseMoeBlock.add_spare_slots`).
 Quantized weights under tensor parallelism: each quantized module cuts its checkpoint
 tensors itself (`layers.quant.sharding`): weights and scales by output rows (column-parallel)
 or by input columns in whole scale blocks / groups (row-parallel; a rank's slice that cuts
@@ -36,7 +38,6 @@ through one is refused when the model is built, with the numbers), the per-row s
 row-parallel layer whole. Online quantization quantizes the checkpoint's whole tensor, as one
 rank does (a rank holds one full tensor at a time on its device), and keeps its slice of the
 values and scales. With expert parallelism a rank's experts come with their scales.
-Spare expert slots are refused with tp.size > 1 (not supported yet).
 
 Invariants: every parameter element is written exactly once, or loading fails with
 UnsupportedModelError naming the missing / unexpected / duplicated / misshapen weights. The
@@ -61,7 +62,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from sits.core.errors import InvalidParameterError, ModelNotFoundError, UnsupportedModelError
+from sits.core.errors import ModelNotFoundError, UnsupportedModelError
 from sits.layers.decoder import DecoderForCausalLM
 from sits.layers.moe import MoeBackend, SparseMoeBlock
 from sits.layers.quant.apply import (
@@ -195,7 +196,8 @@ def load_model(
             dummy directory (`prepare_dummy_dir`), else safetensors.
         seed: the dummy weights' seed (load_format "dummy" only).
         num_spare_experts: spare expert slots added to every sparse MoE layer (zeroed; the
-            logical experts' weights are those of a load without spares).
+            logical experts' weights are those of a load without spares; under tensor
+            parallelism each slot holds the rank's slice).
         quantization: `EngineConfig.quantization` (see `build_meta_model`).
         tp: the tensor-parallel rank and size (SINGLE: the whole model). With size > 1 the
             rank's shard is built and only its slice of each checkpoint tensor is copied;
@@ -213,15 +215,8 @@ def load_model(
             (`build_meta_model`), or weights that do not match the model (missing,
             unexpected, duplicated, wrong shape or dtype).
         InvalidParameterError: tp.size does not fit the model's shapes (`build_meta_model`),
-            or num_spare_experts > 0 with tp.size > 1.
+            or num_spare_experts > 0 with tp.expert_parallel.
     """
-    if num_spare_experts and tp.size > 1:
-        raise InvalidParameterError(
-            "num_spare_experts",
-            f"num_spare_experts={num_spare_experts} with tensor parallel size {tp.size} is not "
-            "supported yet: restoring an expert into a spare slot reads the whole expert, not "
-            "a rank's slice of it",
-        )
     model = build_meta_model(model_dir, moe_backend, quantization, tp)
     if (
         tp.expert_parallel
