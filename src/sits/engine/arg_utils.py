@@ -144,9 +144,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         default=1,
         help="ranks the model runs on: this process and N-1 workers, one per GPU (NCCL; "
         "ordered and bound to CPU cores by the GPU topology) or over gloo on a CPU; 1 (the "
-        "default): this process alone. With N > 1 steps run eagerly; quantized weights, "
-        "--precision-switch, --engine-process and --async-scheduling with "
-        "--expert-router-policy load-aware are refused",
+        "default): this process alone. With N > 1 steps run eagerly; --precision-switch, "
+        "--engine-process and --async-scheduling with --expert-router-policy load-aware are "
+        "refused",
     )
     parser.add_argument(
         "--enable-expert-parallel",
