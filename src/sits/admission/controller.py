@@ -303,6 +303,23 @@ def ceil_wait(wait_s: float) -> tuple[int, int]:
     return seconds, millis
 
 
+def _refused(limiter: TenantLimiter, refusal: Refusal, now_s: float) -> AdmissionDecision:
+    """The decision of a refusal, counted: Retry-After from its wait when retryable."""
+    limiter.count_rejection(refusal.reason)
+    retry_s = retry_ms = None
+    if refusal.wait_s is not None:
+        retry_s, retry_ms = ceil_wait(refusal.wait_s)
+    return AdmissionDecision(
+        ticket=None,
+        rate_limits=limiter.snapshot(now_s),
+        reason=refusal.reason,
+        retry_after_s=retry_s,
+        retry_after_ms=retry_ms,
+        message=refusal.message,
+        param=refusal.param,
+    )
+
+
 class AdmissionController:
     """Admits or rejects requests per tenant; hands out tickets to give back at the end.
 
@@ -391,19 +408,7 @@ class AdmissionController:
             if refusal is None:
                 refusal = limiter.check_rate(total, now_s, self._concurrency_wait_s)
             if refusal is not None:
-                limiter.count_rejection(refusal.reason)
-                retry_s = retry_ms = None
-                if refusal.wait_s is not None:
-                    retry_s, retry_ms = ceil_wait(refusal.wait_s)
-                return AdmissionDecision(
-                    ticket=None,
-                    rate_limits=limiter.snapshot(now_s),
-                    reason=refusal.reason,
-                    retry_after_s=retry_s,
-                    retry_after_ms=retry_ms,
-                    message=refusal.message,
-                    param=refusal.param,
-                )
+                return _refused(limiter, refusal, now_s)
             reserved = limiter.admit(total, now_s)
             ticket = self._issue(limiter, reserved, now_s)
             return AdmissionDecision(ticket=ticket, rate_limits=limiter.snapshot(now_s))
@@ -424,19 +429,7 @@ class AdmissionController:
                 return None
             now_s = self._clock.monotonic()
             refusal = limiter.check_rate(1, now_s, self._concurrency_wait_s)
-            if refusal is None:
-                return None
-            limiter.count_rejection(refusal.reason)
-            retry_s, retry_ms = ceil_wait(refusal.wait_s or 0.0)
-            return AdmissionDecision(
-                ticket=None,
-                rate_limits=limiter.snapshot(now_s),
-                reason=refusal.reason,
-                retry_after_s=retry_s,
-                retry_after_ms=retry_ms,
-                message=refusal.message,
-                param=refusal.param,
-            )
+            return None if refusal is None else _refused(limiter, refusal, now_s)
 
     def _issue(self, limiter: TenantLimiter, reserved_tokens: int, now_s: float) -> AdmissionTicket:
         """A new ticket of an admitted request, kept until `release` (call under the lock)."""
