@@ -8,8 +8,10 @@ engine down and then closes the audit log. With `--fault-injection`,
 `FaultInjectionMiddleware` (innermost, `sits.server.faults`) delays, fails or hangs a share of
 the generation requests. `QosHeadersMiddleware` puts the overload state and the tenant's
 rate-limit headers on every response; with tracing on, `TracingMiddleware` makes one trace per
-request (`sits.server.request_tracing`). `GET /dashboard` serves the live dashboard
-(`sits.server.routes_dashboard`). Nothing is global, so one process may build several apps.
+request (`sits.server.request_tracing`); with an audit log, `AuditRefusalMiddleware` audits
+every error answer to a generation request (`sits.server.audit_refusals`). `GET /dashboard`
+serves the live dashboard (`sits.server.routes_dashboard`). Nothing is global, so one process
+may build several apps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fastapi import FastAPI
 
 import sits
 from sits.server.admin import admin_router
+from sits.server.audit_refusals import AuditRefusalMiddleware
 from sits.server.context import ServerContext, ServerLifecycle, ServerSettings
 from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
@@ -110,6 +113,8 @@ def build_app(
     app.add_middleware(QosHeadersMiddleware, qos=ctx.qos)
     if ctx.tracer is not None:  # sees every status and ends after the stream
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
+    if ctx.audit is not None:  # every error answer to a generation request, with its trace id
+        app.add_middleware(AuditRefusalMiddleware, audit=ctx.audit)
     app.add_middleware(ReceivedAtMiddleware)  # outermost: stamps the receipt time first
     app.include_router(ops_router)
     app.include_router(models_router)

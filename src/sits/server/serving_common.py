@@ -10,9 +10,10 @@ counted as the tenant's outcome and nothing stays held. A body refused before th
 runs (invalid JSON, a field of the wrong type) is counted too, as a 400 of its tenant
 (`count_invalid_body`, C16: the metrics count every answer a client got).
 `serve_job` owns the life of one generation request once it is admitted:
-1. it registers and starts the job, then waits for the first output while watching for a
-   disconnect, so engine-side refusals (prompt too long for the KV cache, ...) are still an
-   HTTP 400 and not a broken stream;
+1. it registers and starts the job (with an audit log, storing the job id in the request
+   state, `AUDITED_STATE_KEY`: a refusal from here on shares the id of the job's records),
+   then waits for the first output while watching for a disconnect, so engine-side refusals
+   (prompt too long for the KV cache, ...) are still an HTTP 400 and not a broken stream;
 2. streamed: it hands an `SSEResponse` the renderer's frames (an exception becomes a final
    error event) and the cleanup; non-streamed: it joins all outputs while watching for a
    disconnect;
@@ -41,6 +42,7 @@ from pydantic import BaseModel
 from sits.admission import retry_after_headers
 from sits.core.errors import InvalidParameterError
 from sits.core.outputs import CompletionOutput, Logprob, RequestOutput
+from sits.obs.request_audit import AUDITED_STATE_KEY
 from sits.server.context import ServerContext, Ticket
 from sits.server.engine_client import ServerTokenizer
 from sits.server.errors import ServerError, error_body, to_server_error
@@ -352,6 +354,8 @@ async def serve_job(
         if qos.start_within_s is not None:
             job.start_deadline_s = time.monotonic() + qos.start_within_s
         job.start()
+        if ctx.audit is not None:  # its engine requests have records: a refusal shares the id
+            setattr(raw.state, AUDITED_STATE_KEY, job.request_id)
         first = await run_until_disconnect(raw.receive, _first_output(job, qos))
         if stream:
             failures: list[BaseException] = []
