@@ -34,12 +34,11 @@ from sits.layers.linear import (
     FusedLinear,
     GateUpLinear,
     QKVLinear,
-    RowParallelLinear,
     Shard,
     sum_partial,
 )
 from sits.layers.quant.config import QuantConfig
-from sits.layers.quant.sharding import Convert, Target, check_aligned, tensor_shard
+from sits.layers.quant.sharding import Convert, Target, check_aligned, input_columns, tensor_shard
 from sits.parallel import SINGLE, TensorParallel
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -229,13 +228,8 @@ class Fp8FusedLinear(Fp8Weights, FusedLinear):
     def from_linear(cls, module: nn.Linear, quant: QuantConfig) -> Fp8FusedLinear:
         """The FP8 twin of an `nn.Linear` (same shape and bias, and a `RowParallelLinear`'s
         input columns and ranks; weights uninitialised)."""
-        col_shard, tp = None, SINGLE
-        if isinstance(module, RowParallelLinear):
-            col_shard, tp = module.col_shard, module.tp
-        return cls(
-            module.in_features, [module.out_features], module.bias is not None, quant,
-            col_shard, tp,
-        )  # fmt: skip
+        bias = module.bias is not None
+        return cls(module.in_features, [module.out_features], bias, quant, *input_columns(module))
 
     def extra_repr(self) -> str:
         return f"{FusedLinear.extra_repr(self)}, {self.quant.describe()}"

@@ -36,7 +36,6 @@ from sits.layers.linear import (
     FusedLinear,
     GateUpLinear,
     QKVLinear,
-    RowParallelLinear,
     Shard,
     sum_partial,
 )
@@ -48,7 +47,7 @@ from sits.layers.quant.int4_formats import (
     int4_converter,
     int4_cut,
 )
-from sits.layers.quant.sharding import Target, check_aligned, tensor_shard
+from sits.layers.quant.sharding import Target, check_aligned, input_columns, tensor_shard
 from sits.parallel import SINGLE, TensorParallel
 
 
@@ -249,13 +248,8 @@ class Int4FusedLinear(Int4Weights, FusedLinear):
     def from_linear(cls, module: nn.Linear, quant: QuantConfig) -> Int4FusedLinear:
         """The INT4 twin of an `nn.Linear` (same shape and bias, and a `RowParallelLinear`'s
         input columns and ranks; weights uninitialised)."""
-        col_shard, tp = None, SINGLE
-        if isinstance(module, RowParallelLinear):
-            col_shard, tp = module.col_shard, module.tp
-        return cls(
-            module.in_features, [module.out_features], module.bias is not None, quant,
-            col_shard, tp,
-        )  # fmt: skip
+        bias = module.bias is not None
+        return cls(module.in_features, [module.out_features], bias, quant, *input_columns(module))
 
     def extra_repr(self) -> str:
         return f"{FusedLinear.extra_repr(self)}, {self.quant.describe()}"

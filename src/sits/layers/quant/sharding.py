@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from sits.core.errors import UnsupportedModelError
-from sits.layers.linear import Shard
+from sits.layers.linear import RowParallelLinear, Shard
+from sits.parallel import SINGLE, TensorParallel
 
 Convert = Callable[[Tensor, str], Tensor]
 # Where one checkpoint tensor of a quantized module goes: (our parameter's local name, index
@@ -81,3 +82,11 @@ def tensor_shard(
     cuts = [(dim, in_units(shard, unit)) for dim, shard, unit in given if not shard.is_whole]
     assert len(cuts) <= 1, "a layer is cut along its rows or its columns, not both"
     return cuts[0] if cuts else None
+
+
+def input_columns(module: nn.Linear) -> tuple[Shard | None, TensorParallel]:
+    """(input columns, ranks) of a `RowParallelLinear`; (None, SINGLE) for any other linear:
+    what a quantized twin of `module` takes to hold the same slice."""
+    if isinstance(module, RowParallelLinear):
+        return module.col_shard, module.tp
+    return None, SINGLE
