@@ -215,7 +215,6 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
