@@ -12,7 +12,13 @@ from sits.engine.arg_utils import add_engine_args, engine_kwargs
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `sits generate`."""
-    p = subparsers.add_parser("generate", help="generate a completion for a prompt offline")
+    p = subparsers.add_parser(
+        "generate",
+        help="generate a completion for a prompt offline",
+        description="Generate completions for prompts offline (no server), printing the text. "
+        "With no --model, use the built-in demo model 'sits-demo' (shipped with sits, no "
+        "download).",
+    )
     add_engine_args(p, model_required=False)
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeatable)")
     p.add_argument(
