@@ -186,3 +186,20 @@ def test_a_signal_after_the_engines_death_is_noted_then_a_second_one_forces() ->
     assert not server.force_exit and server.exit_code == 1
     server.handle_exit(signal.SIGTERM, None)
     assert server.force_exit and server.exit_code == 1
+
+
+def test_a_third_signal_stops_without_waiting_for_the_cut() -> None:
+    """First signal: drain; second: cut the open requests (exit 1, uvicorn's own bounded
+    shutdown, so the lifespan ends cleanly); third: uvicorn's force_exit."""
+    lifecycle = types.SimpleNamespace(on_fatal=None)
+    server = DrainingServer(uvicorn.Config(FastAPI()), lifecycle)  # type: ignore[arg-type]
+    scheduled: list = []
+    server._loop = types.SimpleNamespace(call_soon_threadsafe=scheduled.append)
+    server.handle_exit(signal.SIGTERM, None)
+    assert scheduled == [server.start_drain] and server.exit_code == 0
+    server._drain_task = object()  # the drain runs
+    server.handle_exit(signal.SIGTERM, None)
+    assert scheduled[-1] == server._start_force and server.exit_code == 1
+    assert not server.force_exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit and server.should_exit and server.exit_code == 1

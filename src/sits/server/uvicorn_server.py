@@ -6,9 +6,10 @@
   are then cut with a final error event, and the process exits 0. A second signal stops at
   once, not cleanly: every open stream still gets its error event (up to
   `_CUT_STREAMS_FLUSH_S` to write them), and the process exits `FORCED_EXIT_CODE` (1), so a
-  supervisor knows requests were cut short. The default drain (20 s of `--shutdown-timeout`,
-  2 s to flush cut streams, 5 s for uvicorn to close connections) ends inside the usual 30 s
-  between SIGTERM and SIGKILL (Kubernetes' default terminationGracePeriodSeconds).
+  supervisor knows requests were cut short; a third signal stops without waiting. The
+  default drain (20 s of `--shutdown-timeout`, 2 s to flush cut streams, 5 s for uvicorn to
+  close connections) ends inside the usual 30 s between SIGTERM and SIGKILL (Kubernetes'
+  default terminationGracePeriodSeconds).
 - When the engine dies, the lifecycle calls `fatal(code)`: open requests have already been
   failed, uvicorn stops, and `run_app` returns the non-zero code so a supervisor restarts the
   process; the first signal that arrives meanwhile is only noted, a second one stops at once.
@@ -58,6 +59,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._noted_stop_signal = False
+        self._cutting = False  # a second signal is cutting the open requests
         lifecycle.on_fatal = self.fatal
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -77,6 +79,10 @@ class DrainingServer(uvicorn.Server):
         """Signal handler: the first signal drains, a second one stops at once. After the
         engine's death the server is stopping already: the first signal is only noted (a
         supervisor's SIGTERM then does not cut uvicorn's bounded shutdown short)."""
+        if self._cutting:  # a third signal: stop without waiting
+            self.force_exit = True
+            self.should_exit = True
+            return
         if self.exit_code != 0 and not self._noted_stop_signal:
             self._noted_stop_signal = True
             logger.info("signal %s: already stopping (the engine died)", signal.Signals(sig).name)
@@ -88,6 +94,7 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
                 return
             self.exit_code = FORCED_EXIT_CODE
+            self._cutting = True
             self._loop.call_soon_threadsafe(self._start_force)
             return
         logger.info("signal %s: draining before exit", signal.Signals(sig).name)
@@ -110,11 +117,13 @@ class DrainingServer(uvicorn.Server):
         asyncio.ensure_future(self._force())
 
     async def _force(self) -> None:
+        """Not uvicorn's force_exit: that cancels the app's lifespan shutdown mid-way (a
+        CancelledError traceback in the log); the streams are cut already, so uvicorn's own
+        bounded shutdown is quick. A third signal forces."""
         try:
             self.drained_cleanly = False
             await self.lifecycle.cut_open_requests()
         finally:
-            self.force_exit = True
             self.should_exit = True
 
     def fatal(self, exit_code: int) -> None:
