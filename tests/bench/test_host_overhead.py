@@ -3,8 +3,6 @@ engine is left as it was (timers and the null forward removed)."""
 
 from __future__ import annotations
 
-import pytest
-
 from sits.bench import host_overhead as ho
 from sits.engine.output_processor import OutputProcessor
 
@@ -20,10 +18,8 @@ def test_columns_add_up_and_engine_is_restored() -> None:
     assert row["steps"] == 4
     assert row["forward"] < row["step"] <= row["loop"]
     assert row["schedule"] > 0 and row["prep"] > 0 and row["sample"] > 0 and row["output"] > 0
-    # Per step the parts sum to the loop exactly; medians of sums stay close to sums of medians.
-    parts = ("forward", "logits", "schedule", "prep", "sample", "run other", "update",
-             "core other", "output", "loop other")  # fmt: skip
-    assert sum(row[p] for p in parts) == pytest.approx(row["loop"], rel=0.5)
+    # Per step the parts sum to the loop exactly (up to float rounding, in us).
+    assert row["unaccounted"] < 1e-3
     assert [set(vars(obj)) for obj in objects] == attributes
     assert "step" not in vars(core) and core.runner.sampler is sampler
     assert OutputProcessor.process.__qualname__ == "OutputProcessor.process"

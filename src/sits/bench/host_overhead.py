@@ -49,6 +49,10 @@ _COLUMNS = (
     "loop", "step", "forward", "logits", "host", "schedule", "prep", "sample", "run other",
     "update", "core other", "output", "loop other",
 )  # fmt: skip
+_LOOP_SPLIT = (  # the columns one step's loop time splits into
+    "forward", "logits", "schedule", "prep", "sample", "run other", "update", "core other",
+    "output", "loop other",
+)  # fmt: skip
 _MISSING = object()
 _SAMPLING = {
     "greedy": {"temperature": 0.0},
@@ -192,8 +196,9 @@ def workload(batch_size: int, vocab_size: int, seed: int) -> list[dict[str, list
 def run_case(
     llm: Any, batch_size: int, sampling: str, null_forward: bool, output_len: int, seed: int
 ) -> dict[str, float]:
-    """Run one workload; returns the median us per decode step of each column, and the number
-    of decode steps ("steps")."""
+    """Run one workload; returns the median us per decode step of each column, the number of
+    decode steps ("steps") and the largest gap, in us, between a step's loop time and the
+    sum of its parts ("unaccounted": 0 up to float rounding, the columns' invariant)."""
     from sits import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, **_SAMPLING[sampling])
@@ -205,6 +210,7 @@ def run_case(
     decode = [r for r in timer.records if r.decode and r.loop_s > 0]
     assert decode, "no pure decode step was timed"
     columns: dict[str, list[float]] = {c: [] for c in _COLUMNS}
+    unaccounted_s = 0.0
     for r in decode:
         p = r.parts_s
         values = {
@@ -224,8 +230,11 @@ def run_case(
         }
         for name, value in values.items():
             columns[name].append(value * 1e6)
+        parts_s = sum(values[name] for name in _LOOP_SPLIT)
+        unaccounted_s = max(unaccounted_s, abs(values["loop"] - parts_s))
     row = {name: statistics.median(values) for name, values in columns.items()}
     row["steps"] = float(len(decode))
+    row["unaccounted"] = unaccounted_s * 1e6
     return row
 
 
