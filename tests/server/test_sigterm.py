@@ -115,30 +115,64 @@ def _refused_while_draining(base_url: str) -> None:
     assert resp.headers["retry-after"] == "1"  # a client or gateway retries elsewhere soon
 
 
-def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
-    server = serve_factory(shutdown_timeout_s=HANG_S)  # the streams end well before
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": 150,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    streams = _start_streams(server.base_url, body, 3)
-    server.proc.send_signal(signal.SIGTERM)
+DRAIN_BODY = {  # ends well inside a long drain
+    "prompt": PROMPT,
+    "max_tokens": 150,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+LONG_BODY = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+
+def drain_live_streams(server, sig: int) -> list[_Stream]:
+    """Three DRAIN_BODY streams, then `sig`: the server refuses new work while it drains;
+    returns the streams once they ended."""
+    streams = _start_streams(server.base_url, DRAIN_BODY, 3)
+    server.proc.send_signal(sig)
     _refused_while_draining(server.base_url)
     for stream in streams:
         stream.join(HANG_S)
+    return streams
+
+
+def cut_live_streams(server, sig: int) -> list[_Stream]:
+    """Two LONG_BODY streams, `sig` (a drain that would wait), then `sig` again; returns the
+    streams once they ended."""
+    streams = _start_streams(server.base_url, LONG_BODY, 2)
+    server.proc.send_signal(sig)
+    _refused_while_draining(server.base_url)
+    server.proc.send_signal(sig)
+    for stream in streams:
+        stream.join(HANG_S)
+    return streams
+
+
+def assert_completed(streams: list[_Stream]) -> None:
+    """Every stream ended normally with its 150 tokens."""
+    for stream in streams:
         assert stream.error is None
         assert stream.events[-1] == "[DONE]"
         assert json.loads(stream.events[-2])["usage"]["completion_tokens"] == 150
+
+
+def assert_cut(streams: list[_Stream]) -> None:
+    """Every stream ended with the draining error event, then [DONE]."""
+    for stream in streams:
+        assert stream.error is None
+        assert stream.events[-1] == "[DONE]"
+        assert json.loads(stream.events[-2])["error"]["code"] == "draining"
+
+
+def test_sigterm_drains_live_streams_then_exits_0(serve_factory) -> None:
+    server = serve_factory(shutdown_timeout_s=HANG_S)  # the streams end well before
+    assert_completed(drain_live_streams(server, signal.SIGTERM))
     assert server.proc.wait(HANG_S) == 0
 
 
 def test_sigterm_cuts_streams_after_the_timeout(serve_factory) -> None:
     server = serve_factory(shutdown_timeout_s=0.5)
-    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    (stream,) = _start_streams(server.base_url, body, 1)
+    (stream,) = _start_streams(server.base_url, LONG_BODY, 1)
     server.proc.send_signal(signal.SIGTERM)
     stream.join(HANG_S)
     assert stream.error is None
@@ -152,16 +186,7 @@ def test_a_second_sigterm_cuts_streams_with_their_error_event_and_exits_1(serve_
     """The trial: a second SIGTERM closed streams without an error event and exited 0. It now
     fails every open stream with the draining error (then [DONE]) and exits 1."""
     server = serve_factory(shutdown_timeout_s=HANG_S)  # the drain alone would wait
-    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    streams = _start_streams(server.base_url, body, 2)
-    server.proc.send_signal(signal.SIGTERM)
-    _refused_while_draining(server.base_url)
-    server.proc.send_signal(signal.SIGTERM)
-    for stream in streams:
-        stream.join(HANG_S)
-        assert stream.error is None
-        assert stream.events[-1] == "[DONE]"
-        assert json.loads(stream.events[-2])["error"]["code"] == "draining"
+    assert_cut(cut_live_streams(server, signal.SIGTERM))
     assert server.proc.wait(HANG_S) == 1
 
 
