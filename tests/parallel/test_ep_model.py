@@ -33,7 +33,8 @@ from tests.parallel.test_tp_model import (
     TP_SIZE,
     _generate,
     _load,
-    _spawn_ranks,
+    ranks_results,
+    tiny_checkpoints,
 )
 
 # (case id, arch, config overrides, load through transformers' in-memory names)
@@ -94,19 +95,12 @@ def _ep_rank_main(rank: int, port: int, cases: list[tuple[str, str, bool]], out_
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    base = tmp_path_factory.mktemp("ep_tiny")
-    return {
-        case_id: str(cached_tiny_checkpoint(arch, base, with_tokenizer=False, **overrides))
-        for case_id, arch, overrides, _ in CASES
-    }
+    return tiny_checkpoints(tmp_path_factory, "ep", CASES)
 
 
 @pytest.fixture(scope="module")
 def rank_results(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("ep_ranks")
-    cases = [(case_id, checkpoints[case_id], from_hf) for case_id, _, _, from_hf in CASES]
-    _spawn_ranks(cases, out_dir, _ep_rank_main)
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
+    return ranks_results(checkpoints, tmp_path_factory, "ep", CASES, _ep_rank_main)
 
 
 @pytest.mark.parametrize("case_id", [case[0] for case in CASES])

@@ -20,9 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sits import LLM, SamplingParams
+from sits import LLM
 from sits.config import EngineConfig
-from sits.engine.output_processor import make_engine_requests
 from sits.engine.stats import EngineStats
 from sits.layers.moe import SparseMoeBlock
 from sits.layers.moe_stats import DEFAULT_FREEZE_AFTER
@@ -40,6 +39,7 @@ from sits.runner.expert_placement import ExpertPlacer, move_expert_weights
 from sits.testing.tiny import cached_tiny_checkpoint
 from tests.engine.hf_reference import random_prompts
 from tests.models.paged import PagedRunner
+from tests.parallel.test_tp_engine import _add
 from tests.parallel.test_tp_model import ATOL, NUM_DECODE, PROMPT, TP_SIZE, _spawn_ranks
 from tests.server.live import metric_samples
 
@@ -150,15 +150,6 @@ def _llm(model_dir, tensor_parallel_size: int, **kwargs) -> LLM:
         tensor_parallel_timeout_s=60.0,
         **kwargs,
     )
-
-
-def _add(core, request_id: str, prompt: list[int]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for request in make_engine_requests(
-        request_id, prompt, params, eos_token_ids=(), max_model_len=128,
-        enable_prefix_caching=True,
-    ):  # fmt: skip
-        core.add_request(request)
 
 
 def _serve(llm: LLM, prompts: list[list[int]]) -> tuple[dict[str, list[int]], list]:

@@ -136,21 +136,33 @@ def _spawn_ranks(cases: list[tuple[str, str, bool]], out_dir: Path, rank_main=No
             process.join()
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    base = tmp_path_factory.mktemp("tp_tiny")
+def tiny_checkpoints(factory: pytest.TempPathFactory, name: str, cases) -> dict[str, str]:
+    """Case id -> a tiny checkpoint of each (case_id, arch, overrides, from_hf) case."""
+    base = factory.mktemp(f"{name}_tiny")
     return {
         case_id: str(cached_tiny_checkpoint(arch, base, with_tokenizer=False, **overrides))
-        for case_id, arch, overrides, _ in CASES
+        for case_id, arch, overrides, _ in cases
     }
+
+
+def ranks_results(
+    checkpoints: dict[str, str], factory: pytest.TempPathFactory, name: str, cases, rank_main=None
+) -> list[dict]:
+    """Every rank's saved results of `rank_main` (`_spawn_ranks`) over the cases."""
+    out_dir = factory.mktemp(f"{name}_ranks")
+    runs = [(case_id, checkpoints[case_id], from_hf) for case_id, _, _, from_hf in cases]
+    _spawn_ranks(runs, out_dir, rank_main)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return tiny_checkpoints(tmp_path_factory, "tp", CASES)
 
 
 @pytest.fixture(scope="module")
 def rank_results(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("tp_ranks")
-    cases = [(case_id, checkpoints[case_id], from_hf) for case_id, _, _, from_hf in CASES]
-    _spawn_ranks(cases, out_dir)
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
+    return ranks_results(checkpoints, tmp_path_factory, "tp", CASES)
 
 
 @pytest.mark.parametrize("case_id", [case[0] for case in CASES])
