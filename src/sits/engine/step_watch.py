@@ -28,6 +28,7 @@ from collections import deque
 STALL_FACTOR = 10.0  # a stalled step has run this many times the engine's slow (p99) steps
 STALL_FLOOR_S = {"cuda": 5.0, "cpu": 30.0}  # default floors by device type, seconds
 STALL_WINDOW_STEPS = 256
+STALL_RESORT_STEPS = 32  # steps between two sorts of the window (the p99's fall)
 
 
 class StepWatch:
@@ -42,16 +43,25 @@ class StepWatch:
         self.seed_s = seed_s or 0.0
         self._steps: deque[float] = deque(maxlen=window)
         self._typical_s = self.seed_s
+        self._since_sort = 0
 
     def record(self, step_s: float) -> None:
-        """A step ran `step_s` wall seconds (O(window log window) per call)."""
+        """A step ran `step_s` wall seconds. On the engine's per-step path, so O(1) but every
+        `STALL_RESORT_STEPS`-th call: a step slower than the typical one raises it at once,
+        and the p99 of the window (which may lower it) is re-sorted only then."""
         self._steps.append(step_s)
-        ordered = sorted(self._steps)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        self._typical_s = max(p99, self.seed_s)
+        self._since_sort += 1
+        if step_s > self._typical_s:
+            self._typical_s = step_s
+        if self._since_sort >= STALL_RESORT_STEPS:
+            self._since_sort = 0
+            ordered = sorted(self._steps)
+            p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            self._typical_s = max(p99, self.seed_s)
 
     def typical_s(self) -> float:
-        """max(p99 of the window, the seed), seconds; 0.0 before any step or seed."""
+        """max(p99 of the window, the seed), seconds, as of the last sort, raised since by any
+        slower step; 0.0 before any step or seed."""
         return self._typical_s
 
 
