@@ -82,6 +82,7 @@
 #            qwen3-30b-a3b FP8 batch 1 / batch 10 latency and 256 x 512/128 offline (~7 min)
 #   fusion   issue-25 batch-1 decode fusion: router GEMV + routing in one launch (GPU tests,
 #            micro-benchmark, batch-1 TPOT with async scheduling; see the section)
+#   pdl      issue-25 programmatic dependent launch: GPU tests, batch-1 TPOT A/B (see the section)
 #   loop     HTTP event-loop lag and client TTFT/ITL with the engine in a thread vs in its own
 #            process (sits serve --engine-process), qwen3-30b-a3b shape (needs .whl too)
 set -uo pipefail
@@ -448,6 +449,28 @@ if has fusion; then
   fusion_b1 fusion_b1_fp8 "${SITS_SRC:-$PWD/src}" --quantization fp8
   fusion_b1 fusion_b1_int4 "${SITS_SRC:-$PWD/src}" --quantization int4
   fusion_b1 fusion_b1_bf16 "${SITS_SRC:-$PWD/src}"
+fi
+# pdl: programmatic dependent launch of the decode kernels (issue 25): its test and the GPU
+# tests of the kernels it touches and of the GPU runner (graph replay equals eager, greedy
+# tokens equal transformers), then qwen3-30b-a3b batch-1 TPOT with --async-scheduling, FP8 and
+# INT4 (PDL_QUANTS), each on PDL_BEFORE_SRC (a tree without PDL, if set) and on this tree (~9 min)
+if has pdl; then
+  run pdl_tests python3 -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m "gpu or not gpu" \
+    tests/kernels/test_pdl_triton.py tests/kernels/test_fp8_gemv_triton.py \
+    tests/kernels/test_norm_rotary_triton_gpu.py tests/kernels/test_moe_routing_triton_gpu.py \
+    tests/kernels/test_attention_triton_gpu.py tests/engine/test_gpu_runner.py \
+    ${PDL_TESTS:-}
+  pdl_b1() {  # pdl_b1 NAME SRC QUANT: qwen3-30b-a3b batch 1 512/256, async
+    PYTHONPATH="$2${PYTHONPATH#"${SITS_SRC:-$PWD/src}"}" run "$1" python3 -m sits.cli.main \
+      bench latency --random-weights qwen3-30b-a3b --batch-size 1 --input-len 512 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --async-scheduling \
+      ${3:+--quantization $3} --output-json "$OUT_DIR/$1.json"
+  }
+  for q in ${PDL_QUANTS:-fp8 int4}; do
+    [[ $q == bf16 ]] && qq= || qq=$q
+    [[ -n ${PDL_BEFORE_SRC:-} ]] && pdl_b1 "pdl_b1_${q}_before" "$PDL_BEFORE_SRC" "$qq"
+    pdl_b1 "pdl_b1_$q" "${SITS_SRC:-$PWD/src}" "$qq"
+  done
 fi
 # precision: the issue-25 switch under load (sits bench precision-switch, ~2 min each with the
 # start): 128 x 256/1024 through AsyncLLM, 20 switches bf16 <-> fp8 (then int4) every 40

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv
 
 BLOCK = 1024  # output columns per program
@@ -37,8 +38,10 @@ def silu_and_mul_kernel(
     stride_x,
     stride_out,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (row, block): out[row, cols] = silu(x[row, cols]) * x[row, d + cols]."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < d
@@ -71,6 +74,6 @@ def triton_silu_and_mul(x: Tensor) -> Tensor:
     if num_tokens == 0 or d == 0:
         return out
     silu_and_mul_kernel[(num_tokens, cdiv(d, BLOCK))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4
+        x, out, d, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_args(out)
     )
     return out

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from sits.kernels.attention_tile_triton import LOG2_E, NEG_INIT, attend_tile, dot_query, paged_kv
 from sits.kernels.kv_quant_ref import QuantizedKVCache
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import next_power_of_2
 
 
@@ -71,8 +72,10 @@ def decode_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (seq, kv_head, split): attention of the sequence's query over its split."""
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,8 +161,10 @@ def decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (seq, head): combine the splits' partials into the normalised output row."""
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -248,6 +253,7 @@ def triton_decode_attention(
         KV_QUANT=kv.kind,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_args(output),
     )  # fmt: skip
     if split:
         decode_combine_kernel[(num_seqs, num_heads)](
@@ -257,4 +263,5 @@ def triton_decode_attention(
             BLOCK_DIM=block_dim,
             BLOCK_SPLITS=max(2, next_power_of_2(num_splits)),
             num_warps=4 if block_dim >= 128 else 2,
+            **pdl_args(output),
         )  # fmt: skip

@@ -47,6 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sits.kernels.fp8_ref import FP8_DTYPE, FP8_MAX
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, kernels_interpreted, next_power_of_2
 from sits.kernels.tuned_table import load_table, pick
 
@@ -82,8 +83,10 @@ def quant_fp8_group_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (row, group): q[row, cols] = fp8(x[row, cols] / s), s = amax / FP8_MAX."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP_SIZE + tl.arange(0, BLOCK)  # [BLOCK]
@@ -125,6 +128,7 @@ def fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program pid: the [BLOCK_M, BLOCK_N] tile of c = (a * a_scale) @ (b * b_scale)^T.
 
@@ -135,6 +139,7 @@ def fp8_gemm_kernel(
     BLOCK_SCALES (applied per K step), else per row after the loop (b_scale + n * stride_bsn;
     stride 0 for one per-tensor scale). DOT_IEEE: float32 a multiplied in full precision.
     """
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -322,7 +327,7 @@ def triton_quant_fp8_group(x: Tensor, group_size: int = GROUP_SIZE) -> tuple[Ten
     quant_fp8_group_kernel[(num_rows, scale.shape[1])](
         x, q, scale, num_inner, x.stride(0), q.stride(0), scale.stride(0),
         GROUP_SIZE=group_size, BLOCK=next_power_of_2(group_size), FP8_MAX=FP8_MAX,
-        EXACT_ROUND=kernels_interpreted(), num_warps=4,
+        EXACT_ROUND=kernels_interpreted(), num_warps=4, **pdl_args(q),
     )  # fmt: skip
     return q, scale
 
@@ -423,5 +428,6 @@ def triton_fp8_linear(
         DOT_IEEE=mode == "w8a16" and x.dtype == torch.float32, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_args(out),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], num_cols)

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from sits.kernels.fp8_ref import FP8_DTYPE
 from sits.kernels.moe_triton import launch_topk_sum
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, check_launch_fields
 
 GEMV_MAX_ROWS = 1  # dense: up to this many tokens the GEMV beats the tiled W8A16 kernel
@@ -148,8 +149,10 @@ def fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (m, n tile): out[m, n0:n0 + BLOCK_N] = x[m] @ (w * s)[n0:n0 + BLOCK_N].T."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -199,8 +202,10 @@ def moe_fp8_gemv_up_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (pair, n tile): inter[pair, n] = SiLU(x @ gate[n].T) * (x @ up[n].T)."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
@@ -259,8 +264,10 @@ def moe_fp8_gemv_down_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (pair, n tile): pair_out[pair, n] = inter[pair] @ w2[expert][n].T."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
@@ -366,7 +373,7 @@ def triton_fp8_gemv(
         BLOCK_SCALES=block is not None, HAS_BIAS=bias is not None,
         EVEN_K=num_inner % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x),
     )  # fmt: skip
     return out
 
@@ -436,7 +443,7 @@ def fused_moe_fp8_gemv(
         SCALE_BLOCK_K=block[1] if block is not None else 1,
         BLOCK_SCALES=block is not None, EVEN_K=hidden_size % up_config.block_k == 0,
         BLOCK_N=up_config.block_n, BLOCK_K=up_config.block_k,
-        num_warps=up_config.num_warps, num_stages=up_config.num_stages,
+        num_warps=up_config.num_warps, num_stages=up_config.num_stages, **pdl_args(hidden),
     )  # fmt: skip
     pair_out = hidden.new_empty(num_pairs, hidden_size)
     moe_fp8_gemv_down_kernel[(num_pairs, cdiv(hidden_size, down_config.block_n))](
@@ -447,7 +454,7 @@ def fused_moe_fp8_gemv(
         SCALE_BLOCK_K=block[1] if block is not None else 1,
         BLOCK_SCALES=block is not None, EVEN_K=inter_size % down_config.block_k == 0,
         BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
-        num_warps=down_config.num_warps, num_stages=down_config.num_stages,
+        num_warps=down_config.num_warps, num_stages=down_config.num_stages, **pdl_args(hidden),
     )  # fmt: skip
     launch_topk_sum(
         pair_out, topk_weights.to(torch.float32).contiguous(), ids, hidden, out, nonfinite_experts

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from sits.kernels.int4_ref import PACK
 from sits.kernels.moe_triton import launch_topk_sum
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, check_launch_fields
 
 MOE_INT4_GEMV_MAX_TOKENS = 8  # fused MoE: up to this many tokens the per-pair GEMV runs
@@ -138,8 +139,10 @@ def moe_int4_gemv_up_kernel(
     GROUP_WORDS: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (pair, n tile): inter[pair, n] = SiLU(x @ gate[n].T) * (x @ up[n].T)."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
@@ -186,8 +189,10 @@ def moe_int4_gemv_down_kernel(
     GROUP_WORDS: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (pair, n tile): pair_out[pair, n] = inter[pair] @ dequantize(w2[expert])[n].T."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
@@ -297,7 +302,7 @@ def fused_moe_int4_gemv(
         zs13[0], zs13[1], inter.stride(0),
         HAS_ZERO=w13[2] is not None, GROUP_WORDS=group_size // PACK, GROUPS=up_config.groups,
         BLOCK_N=up_config.block_n, num_warps=up_config.num_warps,
-        num_stages=up_config.num_stages,
+        num_stages=up_config.num_stages, **pdl_args(hidden),
     )  # fmt: skip
     pair_out = hidden.new_empty(num_pairs, hidden_size)
     (p2, s2, _), (z2, zs2) = w2, _zero_args(w2)
@@ -307,7 +312,7 @@ def fused_moe_int4_gemv(
         zs2[0], zs2[1], pair_out.stride(0),
         HAS_ZERO=w2[2] is not None, GROUP_WORDS=group_size // PACK, GROUPS=down_config.groups,
         BLOCK_N=down_config.block_n, num_warps=down_config.num_warps,
-        num_stages=down_config.num_stages,
+        num_stages=down_config.num_stages, **pdl_args(hidden),
     )  # fmt: skip
     launch_topk_sum(
         pair_out, topk_weights.to(torch.float32).contiguous(), ids, hidden, out, nonfinite_experts

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from sits.kernels.attention_tile_triton import paged_kv
 from sits.kernels.kv_quant_ref import FP8_HEADROOM, FP8_MAX, INT8_MAX, QuantizedKVCache
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import next_power_of_2
 
 CALIBRATION_BLOCK_TOKENS = 32  # tokens per step of the fp8 calibration loop
@@ -53,8 +54,10 @@ def write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program t copies key[t] and value[t] ([num_kv_heads, head_dim]) to slot_mapping[t]."""
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -118,6 +121,7 @@ def triton_write_kv(
         BLOCK_HEADS=next_power_of_2(num_kv_heads),
         BLOCK_DIM=next_power_of_2(head_dim),
         num_warps=num_warps,
+        **pdl_args(kv_cache),
     )
 
 
@@ -211,11 +215,13 @@ def write_kv_quantized_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program t quantizes key[t] and value[t] ([num_kv_heads, head_dim]) into slot_mapping[t].
 
     fp8 reads the per-head scales (stride_scale_block/offset are 0); int8 writes the slot's.
     """
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -260,6 +266,7 @@ def calibrate_fp8_kernel(
     scale_per_amax,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program h: calibrate kv head h's K and V scales if still 0 (`calibrate_fp8_scales`).
 
@@ -267,6 +274,7 @@ def calibrate_fp8_kernel(
     (FP8_HEADROOM / FP8_MAX); a calibrated (> 0) scale is left unchanged, and a program whose
     two scales are calibrated returns after two loads.
     """
+    pdl_enter(USE_PDL)
     head = tl.program_id(0)
     key_scale = tl.load(scales_ptr + head)
     value_scale = tl.load(scales_ptr + stride_scale_kv + head)
@@ -338,6 +346,7 @@ def triton_write_kv_quantized(
             BLOCK_TOKENS=CALIBRATION_BLOCK_TOKENS,
             BLOCK_DIM=block_dim,
             num_warps=4,
+            **pdl_args(data),
         )  # fmt: skip
     write_kv_quantized_kernel[(num_tokens,)](
         key, value, data, kv.scales, slot_mapping,
@@ -349,4 +358,5 @@ def triton_write_kv_quantized(
         BLOCK_DIM=block_dim,
         KV_QUANT=kv.kind,
         num_warps=num_warps,
+        **pdl_args(data),
     )  # fmt: skip

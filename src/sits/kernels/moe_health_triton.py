@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import as_bytes, next_power_of_2
 
 MAX_EXPERTS = 1024  # experts one program holds
@@ -41,8 +42,10 @@ def fused_health_kernel(
     num_experts,
     top_k,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The single program updates every expert of the layer (see `fused_health_update`)."""
+    pdl_enter(USE_PDL)
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_in = cols < num_experts
     checked = tl.load(checked_ptr + cols, mask=col_in, other=0) != 0
@@ -108,4 +111,5 @@ def fused_health_update(
         top_k,
         BLOCK_E=next_power_of_2(num_experts),
         num_warps=max(1, min(4, num_experts // 64)),
+        **pdl_args(streak),
     )

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import as_bytes, cdiv, next_power_of_2
 
 MAX_EXPERTS = 256  # widest router row one program holds
@@ -172,8 +173,10 @@ def fused_route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program p routes tokens [p * BLOCK_T, (p + 1) * BLOCK_T) (see `fused_route`)."""
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     row_in = rows < num_tokens
@@ -211,10 +214,12 @@ def gate_route_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program p: the router logits of experts [p * BLOCK_G, (p + 1) * BLOCK_G) for every
     token, rounded to hidden's dtype (what the gate's nn.Linear returns); the last program
     to finish routes all tokens (see `gate_route`)."""
+    pdl_enter(USE_PDL)
     experts = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
     expert_in = experts < num_experts
     gate_rows = gate_ptr + experts.to(tl.int64)[:, None] * stride_gate_expert  # [BLOCK_G, 1]
@@ -321,6 +326,7 @@ def fused_route(
         BLOCK_E=block_e,
         BLOCK_K=next_power_of_2(top_k),
         num_warps=max(1, min(4, block_t * block_e // 256)),
+        **pdl_args(topk_ids),
     )  # fmt: skip
     return topk_weights, topk_ids
 
@@ -391,5 +397,6 @@ def gate_route(
         BLOCK_G=block_g,
         BLOCK_H=min(block_h, next_power_of_2(hidden_size)),
         num_warps=num_warps,
+        **pdl_args(topk_ids),
     )  # fmt: skip
     return topk_weights, topk_ids

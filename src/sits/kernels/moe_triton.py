@@ -50,6 +50,7 @@ from sits.kernels.moe_align import (
 )
 from sits.kernels.moe_config import GemmConfig, MoeConfigStore, MoeLaunchConfig
 from sits.kernels.moe_ref import select_experts
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, next_power_of_2
 
 SUM_BLOCK_H = 512  # hidden columns per program of the top-k sum
@@ -225,9 +226,11 @@ def moe_sum_kernel(
     CHECK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (token, column block): weighted top-k sum in float32; non-finite flags. The k
     expert rows are read as one [BLOCK_K, BLOCK_H] tile: one round trip to memory, not k."""
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden_size
@@ -337,6 +340,7 @@ def launch_topk_sum(
         BLOCK_H=block_h,
         BLOCK_K=max(2, next_power_of_2(top_k)),
         num_warps=4,
+        **pdl_args(out),
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import next_power_of_2
 
 MAX_HIDDEN = 16384  # widest row one program holds in registers
@@ -46,8 +47,10 @@ def rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program t: out[t] = rmsnorm(x[t] (+ residual[t])) * weight; residual_out[t] = the sum."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < hidden_size
@@ -125,5 +128,6 @@ def triton_rms_norm(
         BLOCK=next_power_of_2(hidden_size),
         num_warps=num_warps or rms_norm_num_warps(hidden_size),
         enable_fp_fusion=False,  # no fma: round each product as torch does
+        **pdl_args(out),
     )
     return out, residual_out

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, next_power_of_2
 
 MAX_HEADS_PER_PROGRAM = 8
@@ -115,8 +116,10 @@ def qk_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     APPLY_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (t, b): head block b of q (b < q blocks) or of k (the rest) for token t."""
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -282,5 +285,6 @@ def triton_qk_norm_rope(
         APPLY_NORM=apply_norm,
         num_warps=num_warps,
         enable_fp_fusion=False,  # no fma: round each product as torch does
+        **pdl_args(q_out),
     )  # fmt: skip
     return q_out, k_out

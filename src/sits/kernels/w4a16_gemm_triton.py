@@ -46,6 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sits.kernels.int4_ref import PACK
+from sits.kernels.pdl_triton import pdl_args, pdl_enter
 from sits.kernels.triton_utils import cdiv, kernels_interpreted
 from sits.kernels.tuned_table import load_table, pick
 
@@ -179,12 +180,14 @@ def w4a16_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (tile, split): the [BLOCK_M, BLOCK_N] tile of x @ W^T over the split's K steps.
 
     SPLIT_K == 1: bias, cast and store to out [M, N]; else the float32 partial is stored to
     out + split * stride_split (a [SPLIT_K, M, N] buffer, `splitk_reduce_kernel` finishes).
     """
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -243,8 +246,10 @@ def splitk_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (row, column block): out = sum of the SPLIT_K partials in order (+ bias)."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N
@@ -493,11 +498,12 @@ def triton_w4a16_linear(
         SPLIT_K=split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(out),
     )  # fmt: skip
     if split_k > 1:
         splitk_reduce_kernel[(num_rows, cdiv(num_cols, REDUCE_BLOCK_N))](
             target, bias_arg, out, num_cols, target.stride(0), target.stride(1), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+            **pdl_args(out),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], num_cols)
