@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from sits.core.errors import InvalidParameterError
+from sits.core.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -58,6 +59,9 @@ class SamplingParams:
         prompt_logprobs: likewise for prompt tokens.
         skip_special_tokens: drop special tokens from the output text.
         output_kind: cumulative, delta or final-only outputs while streaming.
+        structured_outputs: the constraint the output must match (JSON schema, regex, choice,
+            grammar: `sits.core.structured_outputs`), or None. min_tokens does not hold a
+            constrained request's EOS back: the grammar decides where the output ends.
 
     Raises:
         InvalidParameterError: a value is out of range; `param` names it.
@@ -82,6 +86,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,6 +153,10 @@ class SamplingParams:
                 "stop_token_ids",
                 f"holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}.",
             )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams.")
 
     @property
     def greedy(self) -> bool:

@@ -107,11 +107,13 @@ class SamplingState:
         return len(self.output_token_ids)
 
     def min_tokens_stop_ids(self) -> list[int]:
-        """Ids masked while fewer than `params.min_tokens` tokens were generated."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        """Ids masked while fewer than `params.min_tokens` tokens were generated (none for a
+        constrained request: its grammar decides where the output ends)."""
+        params = self.params
+        if len(self.output_token_ids) >= params.min_tokens or params.structured_outputs:
             return []
-        ids = list(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
             ids.extend(self.eos_token_ids)
         return ids
 
@@ -301,7 +303,11 @@ class SamplingBatch:
 def needs_host_tokens(params: SamplingParams) -> bool:
     """True when sampling for these parameters needs every earlier token on the host (or
     returns logprobs, read back with their token): such a request's steps are not launched
-    ahead (`ModelRunner.can_launch`)."""
+    ahead (`ModelRunner.can_launch`). A constrained request is one: its grammar's mask for a
+    token depends on the token before it, which the host's matcher must have accepted."""
     return (
-        params.logprobs is not None or params.prompt_logprobs is not None or has_penalties(params)
+        params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or has_penalties(params)
+        or params.structured_outputs is not None
     )
