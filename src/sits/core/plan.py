@@ -139,8 +139,11 @@ class StepResult:
             requests that asked for logprobs.
         prompt_logprobs: request id -> one entry per prompt token computed this step whose
             logprob is defined (None for position 0), for requests that asked for them.
+        grammar_ended: requests whose structured-output grammar ended with this step's token
+            (`sampling.structured`): the scheduler finishes them with "stop".
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    grammar_ended: set[str] = field(default_factory=set)

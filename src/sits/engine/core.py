@@ -23,6 +23,10 @@ Precision switch (`EngineConfig.precision_switch`): `set_precision` changes the 
 set between steps (`sits.engine.precision`); every step is stamped when it is run or launched,
 and its outputs carry its set and each request's switches since its first step.
 
+Structured outputs: a constrained request waits in `grammar_gate` (`sits.engine.grammar_gate`),
+not in the scheduler, until its grammar is compiled off the step loop; each step first admits
+the compiled ones.
+
 Invariants: the step's clock is read in `Stepper` only (the policy and the counters are given
 its readings); one `account_step` per planned step that ran.
 """
@@ -46,6 +50,7 @@ from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.precision import PrecisionState, no_switch_state
 from sits.core.request import START_DEADLINE_MISSED, FinishReason, Request
 from sits.engine.async_step import StepPipeline
+from sits.engine.grammar_gate import GrammarGate
 from sits.engine.precision import PrecisionControl, StepPrecision
 from sits.engine.stats import StepStats, prefills_of
 from sits.engine.step_profile import profiler_from_env
@@ -55,6 +60,7 @@ from sits.runner.model_runner import ModelRunner
 from sits.runner.tp_executor import make_runner
 from sits.sched.config import SchedulerConfig, SwapCostModel, TenantPolicy
 from sits.sched.scheduler import Scheduler
+from sits.sched.state import validate_request
 from sits.sched.step_policy import StepPolicy, TpotPacer
 from sits.sched.tenants import TenantSchedStats
 
@@ -95,6 +101,7 @@ class EngineCore:
         stepper: the step's one path (`Stepper`).
         pipeline: async scheduling's step pipeline, or None (synchronous steps).
         precision_control: the precision switch, or None without one.
+        grammar_gate: constrained requests whose grammar is still compiling.
     """
 
     def __init__(
@@ -157,6 +164,7 @@ class EngineCore:
             self.step_shapes,
         )
         self.pipeline = StepPipeline(self.stepper) if config.async_scheduling else None
+        self.grammar_gate = GrammarGate(lambda: self.runner.grammar_rows.cache)
 
     def shutdown(self) -> None:
         """Release the runner (`ModelRunner.shutdown`: joins tensor-parallel workers); no step
@@ -201,8 +209,12 @@ class EngineCore:
         """Queue a request; its limits (`Request.max_tokens`, context, whole KV cache) are
         checked once, by `Scheduler.add_request` (`sits.core.limits.resolve_limits`).
 
+        A constrained request whose grammar is not compiled yet waits in `grammar_gate`
+        (checked here all the same, so it fails now rather than when admitted).
+
         Raises:
-            InvalidParameterError: a token id outside the vocabulary ("prompt"), or as
+            InvalidParameterError: a token id outside the vocabulary ("prompt"), structured
+                outputs without a tokenizer ("structured_outputs"), or as
                 `Scheduler.add_request` (empty prompt, request id in use, unknown tenant).
             PromptTooLongError: prompt + max_tokens exceeds max_model_len or the whole KV cache.
         """
@@ -213,8 +225,26 @@ class EngineCore:
             raise InvalidParameterError(
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
             )
+        if request.sampling_params.structured_outputs is not None:
+            validate_request(request, self.scheduler.config)
+            if self.grammar_gate.hold(request):
+                return
         self.scheduler.add_request(request)
         self.policy.add_request(request)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move the requests whose grammar compiled to the scheduler (waiting a little for
+        one when nothing else can run); the outputs of those whose compile failed."""
+        gate = self.grammar_gate
+        if not self.scheduler.has_unfinished_requests() and not (
+            self.pipeline is not None and self.pipeline.busy
+        ):
+            gate.wait()
+        ready, failed = gate.admit()
+        for request in ready:
+            self.scheduler.add_request(request)
+            self.policy.add_request(request)
+        return failed
 
     def finish_requests(
         self,
@@ -223,12 +253,13 @@ class EngineCore:
         stop_reason: int | str | None = None,
     ) -> list[EngineCoreOutput]:
         """Finish requests from outside (abort, stop string); frees their blocks at once
-        (`Stepper.finish_requests`)."""
-        return self.stepper.finish_requests(request_ids, reason, stop_reason)
+        (`Stepper.finish_requests`; held ones leave `grammar_gate`)."""
+        held = self.grammar_gate.cancel(request_ids, reason) if self.grammar_gate else []
+        return held + self.stepper.finish_requests(request_ids, reason, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or (async scheduling) a step still to collect."""
-        if self.pipeline is not None and self.pipeline.busy:
+        """Requests not finished (held ones too), or (async scheduling) a step to collect."""
+        if (self.pipeline is not None and self.pipeline.busy) or self.grammar_gate:
             return True
         return self.scheduler.has_unfinished_requests()
 
@@ -259,6 +290,7 @@ class EngineCore:
         Returns:
             One output per request that produced tokens, logprobs or finished this step.
         """
+        failed = self._admit_compiled() if self.grammar_gate else []
         if self.step_profiler is not None:
             self.step_profiler.before_step(self.stats.num_steps + 1)
         if self.pipeline is not None:
@@ -267,7 +299,7 @@ class EngineCore:
             outputs = self.stepper.run_now(self.stepper.plan(), while_gpu_runs)[0]
         if self.step_profiler is not None:
             self.step_profiler.after_step(self.stats.num_steps)
-        return outputs
+        return failed + outputs if failed else outputs
 
 
 @dataclass(slots=True)

@@ -400,6 +400,7 @@ class EngineDriver:
             and sched.num_running == 0
             and sched.num_preemptions == num_preemptions
             and not in_flight
+            and not core.grammar_gate  # a held request's compile ends without a command
         )
         due = core.stats.num_steps - self._expert_read_step >= EXPERT_STATS_PERIOD_STEPS
         if due or stalled or not core.has_unfinished_requests():

@@ -35,6 +35,7 @@ from sits.engine.builder import build_engine
 from sits.engine.output_processor import OutputProcessor, child_request_ids, make_engine_requests
 from sits.engine.tokenizer import Tokenizer
 from sits.runner.expert_health import ExpertMonitor
+from sits.sampling.grammar import check_structured_outputs
 
 PromptType = str | dict[str, Any]
 ProgressType = bool | Callable[..., tqdm]
@@ -196,6 +197,8 @@ class LLM:
                     "stop",
                     "stop strings need a tokenizer (the engine skips it): use stop_token_ids",
                 )
+            if params.structured_outputs is not None:  # refused now, not as a failed compile
+                check_structured_outputs(params.structured_outputs, "structured_outputs")
             params = _final_only(params)
             request_id = str(next(self._counter))
             children = make_engine_requests(

@@ -46,7 +46,7 @@ from sits.core.plan import (
     StepResult,
 )
 from sits.layers.forward_context import ForwardContext
-from sits.models.loader import load_model
+from sits.models.loader import load_model, resolve_model_path
 from sits.parallel import TensorParallel
 from sits.runner.backends import (
     graph_safe,
@@ -75,6 +75,7 @@ from sits.runner.swap import HostKVTier, num_host_blocks
 from sits.runner.warmup import WarmupReport, warm_up_kernels
 from sits.sampling.batch import SamplingState, make_generator, needs_host_tokens, to_device
 from sits.sampling.sampler import Sampler, compute_prompt_logprobs
+from sits.sampling.structured import GrammarRows, grammar_cache_factory
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class ModelRunner:
             and "sync" (waiting for the forward, then sampling).
         num_rows_run: token rows the forwards ran, cumulative, CUDA-graph padding included.
         expert_placer: load-aware expert placement (`runner.expert_placement`), or None.
+        grammar_rows: the constrained requests' grammar matchers (`sampling.structured`);
+            its cache compiles grammars (the engine submits each request's at arrival).
     """
 
     def __init__(
@@ -225,6 +228,11 @@ class ModelRunner:
         shared_seed = random.Random(f"sits-sampler-{config.seed}").getrandbits(63)
         self.sampler = Sampler(make_generator(shared_seed, self.device))
         self._seed_source = random.Random(config.seed)
+        tokenizer = None if config.skip_tokenizer_init else (config.tokenizer or config.model)
+        make_cache = grammar_cache_factory(
+            tokenizer, resolve_model_path, arch.vocab_size, info.eos_token_ids
+        )
+        self.grammar_rows = GrammarRows(make_cache)
         self._states: dict[str, SamplingState] = {}
         self._prompt_logprob_ids: set[str] = set()  # requests that asked for prompt logprobs
         # Prompt logprobs already returned per request (a resumed request recomputes its
@@ -380,9 +388,12 @@ class ModelRunner:
             self._prompt_logprobs_done.pop(request_id, None)
             self._prompt_logprob_ids.discard(request_id)
             self._sync_ids.discard(request_id)
+            self.grammar_rows.drop(request_id)
         for new in plan.new_requests:
             self._states[new.request_id] = self._new_state(new)
             params = new.sampling_params
+            if params.structured_outputs is not None:
+                self.grammar_rows.add(new.request_id, params.structured_outputs)
             if params.prompt_logprobs is not None:
                 self._prompt_logprob_ids.add(new.request_id)
             if needs_host_tokens(params):
@@ -523,8 +534,13 @@ class ModelRunner:
         if to_sample is None:
             return
         ids, states, logits = to_sample
+        grammars = self.grammar_rows
+        if grammars:  # the grammar masks go first: the sampler sees the allowed tokens only
+            grammars.mask(ids, [state.output_token_ids for state in states], logits)
         out = self.sampler(logits, states)
         result.sampled_token_ids.update(zip(ids, out.token_ids))
+        if grammars:
+            result.grammar_ended.update(grammars.accept(ids, out.token_ids))
         if out.logprobs.count(None) < len(ids):
             for request_id, logprobs in zip(ids, out.logprobs):
                 if logprobs is not None:

@@ -356,6 +356,8 @@ def _update_request(
         logprobs_by_id = result.logprobs
         logprobs = [logprobs_by_id[request_id]] if request_id in logprobs_by_id else None
         finish = check_stop(request, state.config.max_model_len)
+        if finish is None and result.grammar_ended and request_id in result.grammar_ended:
+            finish = FinishReason.STOP, None  # its structured output is complete
         if finish is not None:
             finish_request(state, request, *finish)
         return engine_output(request, [token_id], logprobs, prompt_logprobs)
