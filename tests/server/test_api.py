@@ -175,7 +175,6 @@ def test_unknown_model_is_404(client) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"audio": {"voice": "x"}}, "audio"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -68,7 +68,6 @@ def test_chat_params_mapping() -> None:
     [
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"add_special_tokens": True}, "add_special_tokens"),

@@ -2,8 +2,9 @@
 
 Invariants:
 - A field that would change the meaning of a request but is not implemented (tools,
-  structured output, `suffix`, `best_of` > n, ...) is refused with a 400 naming it; it is never
-  ignored silently.
+  `suffix`, `best_of` > n, ...) is refused with a 400 naming it; it is never ignored silently.
+- Structured outputs (`response_format`, vLLM's `guided_*` and `structured_outputs`) become the
+  params' `structured_outputs`, checked by `sits.server.structured` (a 400 naming the field).
 - Values are validated by `SamplingParams` itself (one place); fields whose OpenAI name differs
   from the `SamplingParams` name (`top_logprobs`, `max_completion_tokens`) are checked here so
   the error names the field the client sent.
@@ -25,6 +26,7 @@ from sits.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingP
 from sits.server.errors import ServerError, unsupported
 from sits.server.protocol_chat import ChatCompletionRequest
 from sits.server.protocol_completion import CompletionRequest
+from sits.server.structured import structured_outputs_of
 from sits.tenancy import TenantConfig
 
 _MIN_SEED = -(2**63)
@@ -78,11 +80,6 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
         ("tool_choice", not _is_off(req.tool_choice), "tool calling is not supported."),
         ("functions", bool(req.functions), "function calling is not supported."),
         ("function_call", not _is_off(req.function_call), "function calling is not supported."),
-        (
-            "response_format",
-            req.response_format is not None and req.response_format.type != "text",
-            "only response_format {'type': 'text'} is supported.",
-        ),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported."),
         (
             "modalities",
@@ -211,6 +208,7 @@ def _common_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "output_kind": RequestOutputKind.DELTA,
+        "structured_outputs": structured_outputs_of(req),
     }
 
 

@@ -80,6 +80,59 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema is always enforced (`strict` or not:
+    constrained decoding cannot follow a schema loosely)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: "text", "json_object" (any JSON object) or "json_schema"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(RequestModel):
+    """vLLM's `structured_outputs` object: one of json, json_object, regex, choice, grammar,
+    structural_tag (`sits.core.structured_outputs.StructuredOutputsParams`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_: str | dict[str, Any] | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+class GuidedFields(RequestModel):
+    """The structured-output fields of chat and completion requests (their base):
+    OpenAI's `response_format` and vLLM's `guided_*` and `structured_outputs` extras."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+
 class StreamOptions(RequestModel):
     """`stream_options`: usage chunk at the end (OpenAI) and in every chunk (vLLM extra)."""
 

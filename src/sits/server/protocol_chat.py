@@ -1,8 +1,9 @@
 """OpenAI `/v1/chat/completions` request and response types (with vLLM's sampling extras).
 
-Messages carry string content or a list of text parts. Tool calling, structured output,
-audio and the other features sits does not implement are still parsed, so that
-`sits.server.params` can refuse them with a 400 naming the field instead of ignoring them.
+Messages carry string content or a list of text parts. The structured-output fields come
+from `protocol.GuidedFields`. Tool calling, audio and the other features sits does not
+implement are still parsed, so that `sits.server.params` can refuse them with a 400 naming the
+field instead of ignoring them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from sits.server.protocol import RequestModel, StreamOptions, UsageInfo
+from sits.server.protocol import GuidedFields, StreamOptions, UsageInfo
 
 
 class ContentPart(BaseModel):
@@ -34,15 +35,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    """`response_format`; only `{"type": "text"}` is supported."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(GuidedFields):
     """Body of `POST /v1/chat/completions`.
 
     `max_completion_tokens` wins over the deprecated `max_tokens` when both are given; when
@@ -59,7 +52,6 @@ class ChatCompletionRequest(RequestModel):
     max_completion_tokens: int | None = None
     n: int = 1
     presence_penalty: float | None = 0.0
-    response_format: ResponseFormat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False

@@ -12,16 +12,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from sits.server.protocol import RequestModel, StreamOptions, UsageInfo
+from sits.server.protocol import GuidedFields, StreamOptions, UsageInfo
 
 # A prompt: text, a batch of texts, token ids, or a batch of token-id lists.
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(GuidedFields):
     """Body of `POST /v1/completions`.
 
-    Fields that would change the meaning of the request but are not supported (`suffix`,
+    The structured-output fields (`response_format`, vLLM's `guided_*`, `structured_outputs`)
+    come from `protocol.GuidedFields`. Fields that would change the meaning of the request but
+    are not supported (`suffix`,
     `best_of` above `n`, a non-empty `logit_bias`) are accepted by the parser and refused with
     a 400 naming them (see `sits.server.params`), never ignored.
     """
