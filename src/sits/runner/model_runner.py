@@ -228,11 +228,11 @@ class ModelRunner:
         shared_seed = random.Random(f"sits-sampler-{config.seed}").getrandbits(63)
         self.sampler = Sampler(make_generator(shared_seed, self.device))
         self._seed_source = random.Random(config.seed)
-        tokenizer = None if config.skip_tokenizer_init else (config.tokenizer or config.model)
-        make_cache = grammar_cache_factory(
-            tokenizer, resolve_model_path, arch.vocab_size, info.eos_token_ids
+        tokenizer = config.tokenizer or config.model  # read even with skip_tokenizer_init
+        eos_ids = info.eos_token_ids
+        self.grammar_rows = GrammarRows(
+            grammar_cache_factory(tokenizer, resolve_model_path, arch.vocab_size, eos_ids)
         )
-        self.grammar_rows = GrammarRows(make_cache)
         self._states: dict[str, SamplingState] = {}
         self._prompt_logprob_ids: set[str] = set()  # requests that asked for prompt logprobs
         # Prompt logprobs already returned per request (a resumed request recomputes its

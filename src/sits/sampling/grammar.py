@@ -11,6 +11,11 @@ Two stages, as xgrammar splits them:
   never blocks the step loop; compiled grammars are kept by `StructuredOutputsParams.key`
   (least recently used first out), so a repeated schema compiles once.
 
+Whitespace: between JSON tokens a run of at most `MAX_JSON_WHITESPACE` whitespace characters
+is allowed (vLLM sets no bound: a weak model can then write whitespace until max_tokens, which
+ours did in tests; 32 still holds a pretty-printed line 7 levels deep), none with
+`disable_any_whitespace` (xgrammar's compact separators then).
+
 Kinds: `json` is compiled in xgrammar's strict mode (no property the schema does not list);
 `json_object` is the schema `{"type": "object"}` without strict mode: any JSON object (the
 builtin JSON grammar would also let a top-level array through); `choice` is the EBNF
@@ -38,6 +43,7 @@ from sits.core.structured_outputs import StructuredOutputsParams
 # the user reads only the reason.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 MAX_CACHED_GRAMMARS = 256
+MAX_JSON_WHITESPACE = 32  # whitespace characters between two JSON tokens (module docstring)
 _OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -65,13 +71,12 @@ def check_structured_outputs(spec: StructuredOutputsParams, param: str) -> None:
         InvalidParameterError: naming `param`, with xgrammar's reason.
     """
     kind = spec.kind
-    any_whitespace = not spec.disable_any_whitespace
     try:
         if kind == "json":
             schema = json.loads(spec.json)
             if not isinstance(schema, dict | bool):
                 raise InvalidParameterError(param, "a JSON schema must be an object or a bool.")
-            xgr.Grammar.from_json_schema(spec.json, any_whitespace=any_whitespace)
+            xgr.Grammar.from_json_schema(spec.json, **_json_options(spec))
         elif kind == "regex":
             xgr.Grammar.from_regex(spec.regex)
         elif kind == "grammar":
@@ -93,13 +98,12 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -
         InvalidParameterError: the spec does not compile ("structured_outputs").
     """
     kind = spec.kind
-    any_whitespace = not spec.disable_any_whitespace
     try:
         if kind == "json":
-            return compiler.compile_json_schema(spec.json, any_whitespace=any_whitespace)
+            return compiler.compile_json_schema(spec.json, **_json_options(spec))
         if kind == "json_object":
             return compiler.compile_json_schema(
-                _OBJECT_SCHEMA, any_whitespace=any_whitespace, strict_mode=False
+                _OBJECT_SCHEMA, strict_mode=False, **_json_options(spec)
             )
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
@@ -112,6 +116,13 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutputsParams) -
         raise InvalidParameterError(
             "structured_outputs", f"invalid {kind}: {error_text(exc)}"
         ) from exc
+
+
+def _json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
+    """xgrammar's whitespace options of a JSON kind (module docstring)."""
+    if spec.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 class GrammarCache:

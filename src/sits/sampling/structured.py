@@ -179,7 +179,7 @@ def _bring_level(state: MatcherState, request_id: str, output_token_ids: list[in
 
 
 def grammar_cache_factory(
-    tokenizer: str | None,
+    tokenizer: str,
     resolve: Callable[[str], str],
     vocab_size: int,
     stop_token_ids: Sequence[int],
@@ -187,22 +187,19 @@ def grammar_cache_factory(
     """A factory of the grammar cache of a tokenizer, loaded when called (no remote code).
 
     Args:
-        tokenizer: the tokenizer's directory or Hub id; None: the engine has no tokenizer.
+        tokenizer: the tokenizer's directory or Hub id (loaded even when the engine skips
+            its tokenizer, as an engine process does: the masks need the vocabulary).
         resolve: turns it into a local directory (`models.loader.resolve_model_path`).
         vocab_size: the model's logits width.
         stop_token_ids: the model's EOS ids.
 
     Raises (when called):
-        InvalidParameterError: no tokenizer, or none loads ("structured_outputs").
+        InvalidParameterError: no tokenizer loads ("structured_outputs").
     """
 
     def make() -> GrammarCache:
         from transformers import AutoTokenizer
 
-        if tokenizer is None:
-            raise InvalidParameterError(
-                "structured_outputs", "structured outputs need the model's tokenizer"
-            )
         try:
             tokenizer_dir = resolve(tokenizer)
             hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
