@@ -213,7 +213,7 @@ def test_preempted_constrained_requests_resume_their_grammar(model_dir) -> None:
     params = [
         SamplingParams(
             temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=80, structured_outputs=spec
-        )  # fmt: skip
+        )
         for i, spec in enumerate(_long_specs(8))
     ]
     roomy = LLM(model=str(model_dir), dtype="float32", max_model_len=512)
@@ -224,6 +224,8 @@ def test_preempted_constrained_requests_resume_their_grammar(model_dir) -> None:
         max_model_len=512,
         kv_cache_memory_bytes=14 * block_bytes,
     )
+    for spec in _long_specs(8):  # compiled first: all start together, so some are preempted
+        small.engine_core.runner.grammar_rows.cache.get(spec)
     outs = small.generate(prompts, params)
     assert small.engine_core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -253,3 +255,34 @@ def test_async_scheduling_gives_the_same_outputs(model_dir) -> None:
         )
         outs[async_scheduling] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_two_tensor_parallel_ranks_give_the_same_constrained_tokens(model_dir) -> None:
+    """Each rank keeps its own matchers (the worker compiles the grammar when it first sees
+    the request) and masks alike, so rank 0's tokens are one rank's."""
+    prompts = _prompts(4, seed=14)
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(regex=r"[a-f]{3,20}") if i % 2 else None,
+        )
+        for i in range(4)
+    ]
+    one_rank = LLM(model=str(model_dir), dtype="float32", max_model_len=256)
+    want = [o.outputs[0].token_ids for o in one_rank.generate(prompts, params)]
+    tp = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=2,
+        tensor_parallel_timeout_s=60.0,
+    )
+    try:
+        outs = tp.generate(prompts, params)
+    finally:
+        tp.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for out in outs[1::2]:
+        assert re.fullmatch(r"[a-f]{3,20}", out.outputs[0].text)
