@@ -30,10 +30,12 @@ from sits.server.serving_common import drop_double_bos
 
 
 class _Tok:
-    """Decodes token id i as "t{i}"."""
+    """Token id i is the bytes of "t{i}"; id 9 is "x"."""
 
-    def decode_token(self, token_id: int) -> str:
-        return f"t{token_id}"
+    all_special_ids: list[int] = []
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x" if token_id == 9 else f"t{token_id}".encode()
 
 
 def _chat(**fields) -> ChatCompletionRequest:
@@ -114,9 +116,7 @@ def test_chat_logprobs_content_shape() -> None:
 
 def test_completion_logprobs_offsets_and_clamping() -> None:
     builder = CompletionLogprobsBuilder(_Tok(), 1, initial_offset=10)
-    first = builder.build(
-        [5, 6], [None, {6: Logprob(-math.inf, 3), 9: Logprob(-0.2, 1, decoded_token="x")}]
-    )
+    first = builder.build([5, 6], [None, {6: Logprob(-math.inf, 3), 9: Logprob(-0.2, 1)}])
     assert first.tokens == ["t5", "t6"] and first.text_offset == [10, 12]
     assert first.token_logprobs == [None, MIN_LOGPROB]
     assert first.top_logprobs == [None, {"x": -0.2, "t6": MIN_LOGPROB}]

@@ -38,7 +38,9 @@ releases, so the window method is kept here in a few lines of Python.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,6 +65,7 @@ class Tokenizer:
         self._hf = source
         self._backend = _rust_backend(source)
         self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
         self._max_token_chars: int | None = None
 
     @property
@@ -147,6 +150,25 @@ class Tokenizer:
             text = self.decode([token_id], skip_special_tokens=False)
             self._token_text_cache[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token adds to a text (cached): its text alone when that is
+        whole characters, else the bytes behind its vocabulary string (a byte-level BPE
+        string maps one character to one byte; a byte-fallback piece "<0xNN>" is byte NN), so
+        a character split over several tokens keeps its own bytes instead of U+FFFD.
+
+        Special tokens give the bytes of their text.
+        """
+        raw = self._token_bytes_cache.get(token_id)
+        if raw is None:
+            text = self.decode_token(token_id)
+            raw = text.encode("utf-8")
+            if _REPLACEMENT_CHAR in text:
+                piece = self._hf.convert_ids_to_tokens(token_id)
+                raw = _piece_bytes(piece) if isinstance(piece, str) else None
+                raw = text.encode("utf-8") if raw is None else raw
+            self._token_bytes_cache[token_id] = raw
+        return raw
 
     def render_chat(
         self,
@@ -357,6 +379,29 @@ def _load_hf_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"no loadable tokenizer in {path!r}: {exc}") from exc
+
+
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's character -> byte table (GPT-2's printable stand-ins for 256 bytes)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def _piece_bytes(piece: str) -> bytes | None:
+    """The bytes a vocabulary string stands for: a byte-fallback piece "<0xNN>" or a
+    byte-level BPE string; None when it is neither."""
+    match = _BYTE_FALLBACK_PIECE.fullmatch(piece)
+    if match is not None:
+        return bytes([int(match.group(1), 16)])
+    table = _byte_level_table()
+    if piece and all(char in table for char in piece):
+        return bytes(table[char] for char in piece)
+    return None
 
 
 def _rust_backend(hf_tokenizer: Any) -> Any:

@@ -36,6 +36,7 @@ from sits.server.params import (
 from sits.server.protocol import UsageInfo
 from sits.server.protocol_completion import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
@@ -134,7 +135,24 @@ class _CompletionRenderer:
         if self.req.logprobs is None:
             return None
         offset = 0 if self.echo else len(self.prompt_text(index))
-        return CompletionLogprobsBuilder(self.ctx.tokenizer, self.req.logprobs, offset)
+        tokenizer = self.ctx.tokenizer
+        skip = tokenizer.all_special_ids if self.req.skip_special_tokens else ()
+        return CompletionLogprobsBuilder(tokenizer, self.req.logprobs, offset, skip)
+
+    def _echo_logprobs(
+        self,
+        builder: CompletionLogprobsBuilder,
+        index: int,
+        prompt_logprobs: list[PositionLogprobs] | None,
+        token_ids: list[int],
+        entries: list[PositionLogprobs],
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs, then the generated tokens' from its text's length."""
+        prompt = self.prompts[index]
+        prompt_entries = self._prompt_entries(index, prompt_logprobs)
+        return builder.build_echo(
+            (prompt.token_ids, prompt_entries, len(self.prompt_text(index))), token_ids, entries
+        )
 
     def _prompt_entries(
         self, index: int, prompt_logprobs: list[PositionLogprobs] | None
@@ -152,16 +170,21 @@ class _CompletionRenderer:
                 entries: list[PositionLogprobs] = list(sample.logprobs or [])
                 entries += [None] * (len(token_ids) - len(entries))
                 text = sample.text
+                builder = self._builder(p_index)
+                logprobs = None
                 if self.echo:
                     text = self.prompt_text(p_index) + text
-                    token_ids = result.prompt_token_ids + token_ids
-                    entries = self._prompt_entries(p_index, result.prompt_logprobs) + entries
-                builder = self._builder(p_index)
+                if builder is not None and self.echo:
+                    logprobs = self._echo_logprobs(
+                        builder, p_index, result.prompt_logprobs, token_ids, entries
+                    )
+                elif builder is not None:
+                    logprobs = builder.build(token_ids, entries)
                 choices.append(
                     CompletionChoice(
                         index=p_index * self.n + s_index,
                         text=text,
-                        logprobs=None if builder is None else builder.build(token_ids, entries),
+                        logprobs=logprobs,
                         finish_reason=sample.finish_reason,
                         stop_reason=sample.stop_reason,
                         prompt_logprobs=_wire_prompt_logprobs(result.prompt_logprobs)
@@ -205,16 +228,22 @@ class _CompletionRenderer:
                 first = choice not in builders
                 if first:
                     builders[choice] = self._builder(p_index)
-                if first and self.echo:
+                builder = builders[choice]
+                logprobs = None
+                echo_now = first and self.echo
+                if echo_now:
                     text = self.prompt_text(p_index) + text
-                    entries = self._prompt_entries(p_index, prompt_logprobs.get(p_index)) + entries
-                    token_ids = self.prompts[p_index].token_ids + token_ids
+                if builder is not None and echo_now:
+                    logprobs = self._echo_logprobs(
+                        builder, p_index, prompt_logprobs.get(p_index), token_ids, entries
+                    )
+                elif builder is not None:
+                    logprobs = builder.build(token_ids, entries)
                 completion_counts[choice] += len(delta.token_ids)
                 # Every step that generated tokens makes a chunk, as in vLLM, even when their
                 # text is held back or decodes to "": a client sees each token arrive.
-                if not (text or delta.finish_reason or token_ids):
+                if not (text or delta.finish_reason or token_ids or echo_now):
                     continue
-                builder = builders[choice]
                 chunk = CompletionStreamResponse(
                     id=self.request_id,
                     created=self.created,
@@ -223,7 +252,7 @@ class _CompletionRenderer:
                         CompletionStreamChoice(
                             index=choice,
                             text=text,
-                            logprobs=None if builder is None else builder.build(token_ids, entries),
+                            logprobs=logprobs,
                             finish_reason=delta.finish_reason,
                             stop_reason=delta.stop_reason,
                         )
