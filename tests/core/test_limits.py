@@ -51,12 +51,13 @@ def test_the_kv_cache_bounds_prompt_plus_max_tokens_in_blocks() -> None:
     assert err.value.param == "prompt"
     assert str(err.value) == (
         "The request needs 17 tokens (13 in the prompt, 4 for the completion) = 5 KV blocks of "
-        "4 tokens, but the KV cache holds only 4 blocks. Please reduce the length of the prompt "
-        "or max_tokens."
+        "4 tokens, but the KV cache holds only 4 blocks (16 tokens). Please reduce the length "
+        "of the prompt or max_tokens."
     )
     # The context is checked first: its error names what the client can change.
     with pytest.raises(PromptTooLongError, match="maximum context length is 20"):
         resolve_limits(18, 4, 20, num_kv_blocks=4, block_size=4)
-    # A None fills the context, then must fit the cache too.
-    with pytest.raises(PromptTooLongError, match="= 5 KV blocks"):
-        resolve_limits(12, None, 20, num_kv_blocks=4, block_size=4)
+    # A None fills the context, or the cache when the cache holds less.
+    assert resolve_limits(12, None, 20, num_kv_blocks=4, block_size=4) == RequestLimits(12, 4)
+    with pytest.raises(PromptTooLongError, match="The KV cache holds 16 tokens"):
+        resolve_limits(16, None, 20, num_kv_blocks=4, block_size=4)

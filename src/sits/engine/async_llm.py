@@ -143,6 +143,10 @@ class AsyncLLM:
         self.tokenizer = transport.tokenizer
         self.info = transport.info
         self.max_model_len = transport.info.max_model_len
+        # The KV blocks requests may use (less the null block) and their size in tokens: the
+        # server caps an unset max_tokens to what the cache holds.
+        self.num_kv_blocks = transport.stats.num_total_blocks
+        self.block_size = config.block_size
         self.model_name = config.model_name
         self.health_timeout_s = health_timeout_s
         self.step_timeout_s = step_timeout_s

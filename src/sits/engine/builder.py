@@ -98,13 +98,15 @@ def build_engine(
     if config.precision_switch is not None:
         weights += f", precision switch {'/'.join(runner.models)}"
     logger.info(
-        "loaded %s%s on %s (%s); KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
+        "loaded %s%s on %s (%s); KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), "
+        "max_model_len %d",
         model_dir,
         f" with dummy weights (seed {config.seed})" if config.load_format == "dummy" else "",
         info.device,
         weights,
-        runner.num_blocks,
+        core.scheduler.num_total_blocks,  # what requests may use: less the null block
         config.block_size,
+        core.scheduler.num_total_blocks * config.block_size,
         runner.kv_cache_bytes / 2**20,
         info.max_model_len,
     )

@@ -45,6 +45,7 @@ from sits.config import (
     env_values,
 )
 from sits.core.errors import InvalidParameterError
+from sits.core.limits import check_cache_holds_context
 from sits.core.outputs import EngineCoreOutput
 from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.precision import PrecisionState, no_switch_state
@@ -122,7 +123,12 @@ class EngineCore:
     def _build(
         self, config: EngineConfig, info: ModelInfo, tenant_policies: tuple[TenantPolicy, ...]
     ) -> None:
-        """Everything but the runner: scheduler, step policy, counters, stepper."""
+        """Everything but the runner: scheduler, step policy, counters, stepper.
+
+        Raises:
+            InvalidParameterError("max_model_len"): the KV cache cannot hold the model's own
+                context and max_model_len was not set (`check_cache_holds_context`).
+        """
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -136,6 +142,12 @@ class EngineCore:
                 kv_bytes_per_block=self.runner.kv_bytes_per_block,
                 swap_cost=SwapCostModel.for_device(self.runner.device.type),
             )
+        )
+        check_cache_holds_context(
+            info.max_model_len,
+            self.scheduler.num_total_blocks,
+            config.block_size,
+            explicit=config.max_model_len is not None,
         )
         pacer = TpotPacer(
             {p.tenant_id: p.tpot_ms / 1000 for p in tenant_policies if p.tpot_ms},

@@ -444,6 +444,17 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def kv_limits(self) -> dict[str, int]:
+        """`resolve_limits`' KV arguments (`num_kv_blocks`, `block_size`) when the engine
+        tells its cache (an unset max_tokens then fills no more than the cache holds); {}
+        for an engine double that does not."""
+        num_kv_blocks = getattr(self.engine, "num_kv_blocks", None)
+        block_size = getattr(self.engine, "block_size", None)
+        if num_kv_blocks is None or block_size is None:
+            return {}
+        return {"num_kv_blocks": num_kv_blocks, "block_size": block_size}
+
     def trace_of(self, request: Request) -> RequestTrace | NoOpTrace:
         """The request's trace; `NO_TRACE` (its calls do nothing) while tracing is off, decided
         by one check without looking at the request."""

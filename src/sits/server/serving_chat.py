@@ -134,9 +134,15 @@ def build_chat_prompt(
     )
     token_ids = drop_double_bos(list(token_ids), tokenizer.bos_token_id)
     check_prompt_ids(token_ids, tokenizer, "messages")
+    check_prompt_ids(req.stop_token_ids or [], tokenizer, "stop_token_ids")
     cap = default_max_tokens_cap(tenant, base.n, len(token_ids))
     limits = resolve_limits(
-        len(token_ids), requested, ctx.max_model_len, prompt_param="messages", default_cap=cap
+        len(token_ids),
+        requested,
+        ctx.max_model_len,
+        prompt_param="messages",
+        default_cap=cap,
+        **ctx.kv_limits,
     )
     return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=limits.max_tokens))
 

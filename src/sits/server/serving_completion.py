@@ -79,10 +79,12 @@ def build_prompts(
     `default_max_tokens_cap`).
 
     Raises:
-        InvalidParameterError: an empty prompt or a token id outside the vocabulary.
+        InvalidParameterError: an empty prompt, or a token id of the prompt or of
+            stop_token_ids outside the vocabulary.
         PromptTooLongError: prompt + max_tokens does not fit the context.
     """
     tokenizer = ctx.tokenizer
+    check_prompt_ids(req.stop_token_ids or [], tokenizer, "stop_token_ids")
     encoded = []  # (text, token_ids) per prompt
     items = _split_prompts(req.prompt)
     for item in items:
@@ -98,7 +100,9 @@ def build_prompts(
     cap = default_max_tokens_cap(tenant, len(items) * base.n, num_prompt_tokens)
     prompts = []
     for text, token_ids in encoded:
-        limits = resolve_limits(len(token_ids), req.max_tokens, ctx.max_model_len, default_cap=cap)
+        limits = resolve_limits(
+            len(token_ids), req.max_tokens, ctx.max_model_len, default_cap=cap, **ctx.kv_limits
+        )
         params = dataclasses.replace(base, max_tokens=limits.max_tokens)
         prompts.append(EnginePrompt(text, token_ids, params))
     return prompts
