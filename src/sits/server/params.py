@@ -39,6 +39,18 @@ def _check_seed(seed: int | None) -> None:
         raise InvalidParameterError("seed", f"seed must be a 64-bit signed integer, got {seed}.")
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+
+
+def _check_temperature(temperature: float | None) -> None:
+    """Refuse a temperature above OpenAI's 2 (below 0 `SamplingParams` refuses)."""
+    if temperature is not None and temperature > MAX_TEMPERATURE:
+        raise InvalidParameterError(
+            "temperature",
+            f"temperature must be at most {MAX_TEMPERATURE:g}, got {temperature!r}.",
+        )
+
+
 def _check_stream_options(stream: bool | None, has_options: bool) -> None:
     if has_options and not stream:
         raise ServerError(
@@ -62,6 +74,7 @@ def check_completion_request(req: CompletionRequest) -> None:
         raise unsupported("logit_bias", "logit_bias is not supported.")
     check_max_tokens("max_tokens", req.max_tokens, allow_zero=bool(req.echo))
     _check_seed(req.seed)
+    _check_temperature(req.temperature)
     _check_stream_options(req.stream, req.stream_options is not None)
 
 
@@ -118,6 +131,7 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
     check_max_tokens("max_completion_tokens", req.max_completion_tokens)
     check_max_tokens("max_tokens", req.max_tokens)
     _check_seed(req.seed)
+    _check_temperature(req.temperature)
     _check_stream_options(req.stream, req.stream_options is not None)
 
 
