@@ -312,7 +312,7 @@ def test_health_is_503_while_a_step_is_stalled_and_200_after(server, monkeypatch
     [
         ({"prompt": "hi", "top_k": 10**9}, 200, None),
         ({"prompt": "hi", "repetition_penalty": 1e-30}, 200, None),
-        ({"prompt": "hi", "temperature": 1e9}, 200, None),
+        ({"prompt": "hi", "temperature": 1e9}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 1e-12, "min_p": 1.0}, 200, None),
         ({"prompt": "hi", "stop_token_ids": [10**12], "min_tokens": 2}, 400, "stop_token_ids"),
         ({"prompt": "hi", "stop": ["a" * 1024] * 64}, 200, None),

@@ -48,6 +48,7 @@ def _assert_refused(live: LiveServer, code: str) -> None:
         assert resp.status_code == 503 and resp.json()["error"]["code"] == code
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == code
+        assert resp.headers["retry-after"] == health.headers["retry-after"] == "1"
 
 
 def test_c17_engine_loop_death(tiny_moe_dir, engine_factory) -> None:

@@ -9,7 +9,9 @@ engine down and then closes the audit log. With `--fault-injection`,
 the generation requests. `QosHeadersMiddleware` puts the overload state and the tenant's
 rate-limit headers on every response; with tracing on, `TracingMiddleware` makes one trace per
 request (`sits.server.request_tracing`); with an audit log, `AuditRefusalMiddleware` audits
-every error answer to a generation request (`sits.server.audit_refusals`). `GET /dashboard`
+every error answer to a generation request (`sits.server.audit_refusals`);
+`RequestIdMiddleware` puts `x-request-id` on every response and `Retry-After` on every 503
+(`sits.server.request_id`). `GET /dashboard`
 serves the live dashboard (`sits.server.routes_dashboard`). Nothing is global, so one process
 may build several apps.
 """
@@ -30,6 +32,7 @@ from sits.server.engine_client import EngineClient
 from sits.server.errors import install_error_handlers
 from sits.server.faults import FaultInjectionMiddleware
 from sits.server.qos.headers import QosHeadersMiddleware
+from sits.server.request_id import RequestIdMiddleware
 from sits.server.request_tracing import ReceivedAtMiddleware, TracingMiddleware
 from sits.server.routes import api_router, models_router, ops_router
 from sits.server.routes_dashboard import dashboard_router
@@ -115,6 +118,7 @@ def build_app(
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
     if ctx.audit is not None:  # every error answer to a generation request, with its trace id
         app.add_middleware(AuditRefusalMiddleware, audit=ctx.audit)
+    app.add_middleware(RequestIdMiddleware)  # x-request-id on all, Retry-After on all 503s
     app.add_middleware(ReceivedAtMiddleware)  # outermost: stamps the receipt time first
     app.include_router(ops_router)
     app.include_router(models_router)

@@ -1,5 +1,5 @@
 """The HTTP routes: OpenAI (/v1/models, /v1/completions, /v1/chat/completions), vLLM's
-/tokenize and /detokenize, and the operational /health and /metrics.
+/tokenize and /detokenize, and the operational /health, /version and /metrics.
 
 Handlers stay thin: they parse (pydantic), authenticate the tenant (dependency), then call
 the serving modules. /health answers 200 only while the engine loop is alive and stepping and
@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+import sits
 from sits.obs.server_metrics import CONTENT_TYPE
 from sits.server.context import ServerContext
 from sits.server.errors import draining_error, error_response, unavailable, unsupported
@@ -66,6 +67,12 @@ async def health(request: Request) -> Response:
     if stalled is not None:
         return error_response(unavailable(f"The engine is stalled: {stalled}.", "engine_stalled"))
     return JSONResponse({"status": "ok"})
+
+
+@ops_router.get("/version")
+async def version() -> dict[str, str]:
+    """sits' version, as vLLM's /version answers its own."""
+    return {"version": sits.__version__}
 
 
 @ops_router.get("/metrics")

@@ -66,6 +66,7 @@ from sits.server.qos.admit import (
     request_tenant,
     require_tenant,
 )
+from sits.server.request_id import set_response_id
 from sits.server.request_tracing import received_at
 from sits.tenancy import TenantConfig
 
@@ -218,7 +219,7 @@ def request_job(
 ) -> GenerationJob:
     """`ctx.new_job` for an OpenAI request `req` (chat or completion): its `priority` and
     `cache_salt`, and the HTTP receipt time of `raw` (`sits.server.request_tracing.received_at`)."""
-    return ctx.new_job(
+    job = ctx.new_job(
         prefix,
         prompts,
         tenant,
@@ -226,6 +227,8 @@ def request_job(
         cache_salt=req.cache_salt,
         received_s=received_at(raw),
     )
+    set_response_id(raw, job.request_id)  # the response's x-request-id unless the client's
+    return job
 
 
 async def start_request(
