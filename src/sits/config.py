@@ -16,7 +16,11 @@ from dataclasses import dataclass, replace
 from sits.core.errors import InvalidParameterError
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's other spellings of a dtype: the config keeps the canonical name.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# vLLM's fp8_e4m3 is sits' fp8 (float8_e4m3fn with per-head scales).
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # vLLM's `--quantization` names we know of; only IMPLEMENTED_QUANTIZATION load today.
 QUANTIZATION_METHODS = (
@@ -49,7 +53,8 @@ class EngineConfig:
         tokenizer: tokenizer directory or id; defaults to `model`.
         served_model_name: the name clients use; defaults to `model`.
         dtype: "auto" (the checkpoint's torch_dtype; float32 on CPU for float16/bfloat16
-            checkpoints unless asked), "float32", "float16" or "bfloat16".
+            checkpoints unless asked), "float32", "float16" or "bfloat16"; vLLM's "half" and
+            "float" are kept as "float16" and "float32".
         device: "auto" (cuda when available, else cpu), "cpu" or "cuda".
         block_size: tokens per KV block.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
@@ -57,7 +62,8 @@ class EngineConfig:
         max_model_len: context length limit; defaults to the model's max_position_embeddings.
         kv_cache_memory_bytes: KV cache size; on CPU defaults to 1 GiB.
         kv_cache_dtype: KV cache storage: "auto" (the model dtype), "fp8" (float8_e4m3fn with
-            per-(layer, KV head) scales) or "int8" (per-token-per-head scales).
+            per-(layer, KV head) scales; vLLM's "fp8_e4m3" is kept as "fp8") or "int8"
+            (per-token-per-head scales).
         gpu_memory_utilization: on GPU, fraction of the GPU memory the engine may use in all.
         enable_prefix_caching: reuse KV blocks of identical prefixes.
         seed: seed of the engine's random source (unseeded requests draw from it).
@@ -71,13 +77,18 @@ class EngineConfig:
             (`sits.engine.async_step`): the host's scheduling and input preparation overlap
             the model; a request that ends on EOS or a stop token computes one extra decode,
             dropped. Off by default.
-        cpu_offload_gb: GiB of host memory (pinned on CUDA) for a host KV tier: preempted
+        swap_space: GiB of host memory (pinned on CUDA) for a host KV tier (vLLM's
+            `--swap-space`; the CLI's `--cpu-offload-gb` is its deprecated alias): preempted
             requests swap their blocks out and back instead of recomputing when cheaper.
             0 (the default): no host tier, recompute-only preemption. Any kv_cache_dtype:
             quantized blocks are copied as stored (data and int8 scales).
         load_format: "auto" (the checkpoint's safetensors), "safetensors", or "dummy":
             seeded random weights (`seed`) made directly on the device from config.json alone,
             for benchmarks of real shapes without downloads (`sits.models.dummy`).
+        revision: the Hub revision (branch, tag or commit) of a model given by id; None:
+            the default branch. Also the tokenizer's when it is the model's.
+        download_dir: the Hugging Face cache directory to look in and download to; None:
+            huggingface_hub's default ($HF_HOME/hub).
         skip_tokenizer_init: load no tokenizer: prompts must be token ids and outputs carry
             token ids only (empty text); stop strings are refused.
         tpot_pacing_fraction: TPOT pacing spaces each paced request's tokens by this fraction
@@ -162,8 +173,10 @@ class EngineConfig:
     enforce_eager: bool = False
     mixed_step_cuda_graphs: bool = True
     async_scheduling: bool = False
-    cpu_offload_gb: float = 0
+    swap_space: float = 0
     load_format: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
     skip_tokenizer_init: bool = False
     num_spare_experts: int = 0
     quantization: str | None = None
@@ -179,6 +192,10 @@ class EngineConfig:
     expert_rebalance_interval: int = 3000
 
     def __post_init__(self) -> None:
+        # vLLM's aliases become the canonical names while the config is built.
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        kv_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
         if self.dtype not in _DTYPES:
             raise InvalidParameterError(
                 "dtype", f"dtype must be one of {_DTYPES}, got {self.dtype!r}"
@@ -186,7 +203,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise InvalidParameterError(
                 "kv_cache_dtype",
-                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES} (or fp8_e4m3, which is fp8; "
+                f"fp8_e5m2 is not supported), got {self.kv_cache_dtype!r}",
             )
         if self.load_format not in LOAD_FORMATS:
             raise InvalidParameterError(
@@ -233,12 +251,17 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameterError("gpu_memory_utilization", "must be in (0, 1]")
-        if not (math.isfinite(self.cpu_offload_gb) and self.cpu_offload_gb >= 0):
+        if not (math.isfinite(self.swap_space) and self.swap_space >= 0):
             raise InvalidParameterError(
-                "cpu_offload_gb", f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}"
+                "swap_space", f"swap_space must be >= 0, got {self.swap_space}"
             )
         _check_tensor_parallel(self)
         _check_expert_placement(self)
+
+    @property
+    def hub_options(self) -> dict[str, str | None]:
+        """`resolve_model_path`'s Hub arguments: the revision and the download directory."""
+        return {"revision": self.revision, "download_dir": self.download_dir}
 
     def with_changes(self, **changes: object) -> EngineConfig:
         """A copy with some fields replaced (validated again)."""

@@ -213,7 +213,7 @@ def test_swap_out_of_an_empty_following_plan_is_not_lost(llama) -> None:
         llama,
         script,
         kv_cache_memory_bytes=5 * BLOCK_BYTES,
-        cpu_offload_gb=64 * BLOCK_BYTES / 2**30,
+        swap_space=64 * BLOCK_BYTES / 2**30,
         enable_prefix_caching=False,
     )
     assert acore.scheduler.swapper.stats.num_swap_preemptions == 1  # the async run swapped

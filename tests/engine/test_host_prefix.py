@@ -1,4 +1,4 @@
-"""Host-tier prefix cache end to end (`cpu_offload_gb` with prefix caching): a shared prefix
+"""Host-tier prefix cache end to end (`swap_space` with prefix caching): a shared prefix
 evicted from a small device cache by other traffic comes back from the host tier.
 
 Same tiny checkpoint (float32), same five requests one after another, three engines:
@@ -39,7 +39,7 @@ def _llm(model_dir, num_blocks: int | None, num_host_blocks: int = 0) -> LLM:
     if num_blocks is not None:
         kwargs["kv_cache_memory_bytes"] = num_blocks * block_bytes
     if num_host_blocks:
-        kwargs["cpu_offload_gb"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
+        kwargs["swap_space"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
     llm = LLM(**kwargs)
     assert llm.engine_core.runner.num_host_blocks == num_host_blocks
     assert llm.engine_core.runner.kv_bytes_per_block == block_bytes

@@ -1,4 +1,4 @@
-"""Swap preemption end to end (`cpu_offload_gb`): outputs equal the no-preemption outputs.
+"""Swap preemption end to end (`swap_space`): outputs equal the no-preemption outputs.
 
 A tiny model with a KV cache too small for the batch preempts requests; with a host tier the
 victims' blocks are copied to host tensors and back (`sits.runner.swap`) instead of being
@@ -37,7 +37,7 @@ def _llm(model_dir, num_blocks: int | None, num_host_blocks: int = 0) -> LLM:
         kwargs["kv_cache_memory_bytes"] = num_blocks * block_bytes
     if num_host_blocks:
         # Half a block of slack so float rounding cannot lose a block.
-        kwargs["cpu_offload_gb"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
+        kwargs["swap_space"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
     llm = LLM(**kwargs)
     assert llm.engine_core.runner.num_host_blocks == num_host_blocks
     return llm
@@ -116,7 +116,7 @@ def _quantized_llm(model_dir, kind: str, num_blocks: int | None, num_host_blocks
             layers, kv_heads, kind
         )
     if num_host_blocks:
-        kwargs["cpu_offload_gb"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
+        kwargs["swap_space"] = (num_host_blocks + 0.5) * block_bytes / GIB_BYTES
     llm = LLM(**kwargs)
     assert llm.engine_core.runner.num_host_blocks == num_host_blocks
     if num_blocks is not None:
@@ -151,5 +151,5 @@ def test_quantized_kv_swaps_exact_bytes(model_dir, kind: str) -> None:
 
 def test_host_tier_refuses_a_negative_size(model_dir) -> None:
     with pytest.raises(InvalidParameterError) as info:
-        LLM(model=str(model_dir), dtype="float32", cpu_offload_gb=-1)
-    assert info.value.param == "cpu_offload_gb"
+        LLM(model=str(model_dir), dtype="float32", swap_space=-1)
+    assert info.value.param == "swap_space"

@@ -42,8 +42,8 @@ def test_host_block_count_and_flag() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser, model_required=False)
     kwargs = engine_kwargs(parser.parse_args(["--model", "m", "--cpu-offload-gb", "2.5"]))
-    assert EngineConfig(**kwargs).cpu_offload_gb == 2.5
-    assert engine_kwargs(parser.parse_args(["--model", "m"]))["cpu_offload_gb"] == 0
+    assert EngineConfig(**kwargs).swap_space == 2.5
+    assert engine_kwargs(parser.parse_args(["--model", "m"]))["swap_space"] == 0
 
 
 @pytest.mark.gpu

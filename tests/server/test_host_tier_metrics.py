@@ -21,7 +21,7 @@ def test_swap_counters_are_exported(tiny_model_factory) -> None:
             dtype="float32",
             max_model_len=512,
             kv_cache_memory_bytes=18 * block_bytes,
-            cpu_offload_gb=0.01,
+            swap_space=0.01,
         )
     )
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

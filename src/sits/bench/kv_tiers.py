@@ -1,7 +1,7 @@
 """KV tiers benchmark (issue 7): a burst beyond the device KV capacity, recompute-only vs host tier.
 
 The same burst runs twice on the same engine settings and the same device KV capacity (in
-blocks): first with recompute-only preemption (`cpu_offload_gb` 0), then with a host tier
+blocks): first with recompute-only preemption (`swap_space` 0), then with a host tier
 (swap preemption and the host prefix cache). The burst has `--burst-factor` times as many
 tokens (prompt + output per request) as the device KV cache holds, all queued at once through
 `LLM.generate` (greedy, `ignore_eos`, exactly `--output-len` tokens each). Optional shared
@@ -93,7 +93,7 @@ def burst_prompts(args: argparse.Namespace, num_prompts: int, vocab_size: int) -
 def base_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings shared by both runs (token ids in and out where supported)."""
     kwargs = engine_kwargs(args)
-    kwargs["cpu_offload_gb"] = 0
+    kwargs["swap_space"] = 0
     if "skip_tokenizer_init" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kwargs["skip_tokenizer_init"] = True
     return EngineConfig(**kwargs)
@@ -180,7 +180,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         num_tokens = len(prompts) * (args.input_len + args.output_len)
         host_gb = (math.ceil(num_tokens / config.block_size) + 1) * block_bytes / GIB_BYTES
     same_capacity = config.with_changes(
-        kv_cache_memory_bytes=num_blocks * block_bytes, cpu_offload_gb=host_gb
+        kv_cache_memory_bytes=num_blocks * block_bytes, swap_space=host_gb
     )
     host, _, host_ids, _ = run_once(same_capacity, args, prompts)
     drop = None

@@ -26,4 +26,4 @@ def check_tensor_parallel_fit(config: EngineConfig) -> None:
     from sits.models.loader import resolve_model_path
     from sits.runner.tp_executor import check_tensor_parallel_fit as check_shard
 
-    check_shard(config, resolve_model_path(config.model))
+    check_shard(config, resolve_model_path(config.model, **config.hub_options))

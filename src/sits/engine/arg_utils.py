@@ -1,16 +1,23 @@
 """Engine flags shared by `sits generate`, `sits serve` and the benchmarks (vLLM names).
 
 Argument plumbing only: `add_engine_args` declares the flags, `engine_kwargs` maps them onto
-`EngineConfig` keyword arguments (which validates them). It sits in `engine`, below both
-`cli` and `sits.bench`, so the benchmarks' library reuses it without importing `cli`.
+`EngineConfig` keyword arguments (which validates them). vLLM's flags that have no effect in
+sits (`--trust-remote-code`, `--enable-chunked-prefill`) are accepted and logged, and
+`--cpu-offload-gb` is the deprecated alias of `--swap-space` (the host KV tier). It sits in
+`engine`, below both `cli` and `sits.bench`, so the benchmarks' library reuses it without
+importing `cli`.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from sits.config import EXPERT_ROUTER_POLICIES
+from sits.core.errors import InvalidParameterError
+
+logger = logging.getLogger(__name__)
 
 # The default of `--engine-step-timeout` (`AsyncLLM.step_timeout_s`, `hung_loop_error`); here, in
 # a module that imports nothing heavy, so `sits serve` reads it without loading the engine.
@@ -29,10 +36,30 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "--tokenizer", default=None, help="tokenizer directory or id (default: the model's)"
     )
     parser.add_argument(
+        "--revision",
+        default=None,
+        help="the Hub revision (branch, tag or commit) of a model given by id (default: the "
+        "default branch); also the tokenizer's when it is the model's",
+    )
+    parser.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="the Hugging Face cache directory to look for and download models in (default: "
+        "huggingface_hub's, $HF_HOME/hub)",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines; sits runs no code from a checkpoint: its "
+        "architectures are built in, and others are refused",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="weights and activations (auto: the checkpoint's torch_dtype; float32 on a CPU)",
+        choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+        help="weights and activations (auto: the checkpoint's torch_dtype; float32 on a CPU); "
+        "half = float16, float = float32",
     )
     parser.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present"
@@ -64,7 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="KV cache storage: auto (model dtype), fp8 (e4m3, per-head scales) or int8",
+        help="KV cache storage: auto (model dtype), fp8 or fp8_e4m3 (e4m3, per-head scales) "
+        "or int8",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -101,10 +129,27 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
         "logprobs or penalties run their steps synchronously. Off by default",
     )
     parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accepted for vLLM's command lines: sits always splits long prompts into chunks "
+        "of --max-num-batched-tokens; --no-enable-chunked-prefill is refused",
+    )
+    parser.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GiB of host memory for swapped-out KV blocks, the host KV tier (default 0: "
+        "recompute-only preemption)",
+    )
+    parser.add_argument(
         "--cpu-offload-gb",
         type=float,
-        default=0,
-        help="GiB of host memory for swapped-out KV blocks (0: recompute-only preemption)",
+        default=None,
+        metavar="GIB",
+        help="deprecated alias of --swap-space (in vLLM this flag offloads weights, which sits "
+        "does not do)",
     )
     parser.add_argument(
         "--load-format",
@@ -202,11 +247,61 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool) ->
     )
 
 
+def swap_space_arg(args: argparse.Namespace) -> float:
+    """GiB of the host KV tier: --swap-space, else its deprecated alias --cpu-offload-gb
+    (logged as deprecated), else 0.
+
+    Raises:
+        InvalidParameterError("swap_space"): both flags given with different values.
+    """
+    swap, alias = args.swap_space, args.cpu_offload_gb
+    if alias is None:
+        return 0.0 if swap is None else swap
+    logger.warning(
+        "--cpu-offload-gb is deprecated: use --swap-space (GiB of host KV cache; in vLLM "
+        "--cpu-offload-gb offloads weights)"
+    )
+    if swap is not None and swap != alias:
+        raise InvalidParameterError(
+            "swap_space",
+            f"--swap-space {swap:g} and its deprecated alias --cpu-offload-gb {alias:g} disagree",
+        )
+    return alias
+
+
+def _check_vllm_only_flags(args: argparse.Namespace) -> None:
+    """Log what the vLLM flags sits accepts without an effect mean here; refuse
+    --no-enable-chunked-prefill (sits always chunks).
+
+    Raises:
+        InvalidParameterError("enable_chunked_prefill"): chunked prefill turned off.
+    """
+    if args.trust_remote_code:
+        logger.warning(
+            "--trust-remote-code: sits runs no code from a checkpoint; the model's architecture "
+            "must be one sits builds in (others are refused)"
+        )
+    if args.enable_chunked_prefill is False:
+        raise InvalidParameterError(
+            "enable_chunked_prefill",
+            "sits always chunks prefill (each step holds at most --max-num-batched-tokens "
+            "tokens): --no-enable-chunked-prefill is not supported",
+        )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`EngineConfig` keyword arguments from parsed flags."""
+    """`EngineConfig` keyword arguments from parsed flags.
+
+    Raises:
+        InvalidParameterError: --no-enable-chunked-prefill, or --swap-space and
+            --cpu-offload-gb disagreeing.
+    """
+    _check_vllm_only_flags(args)
     return {
         "model": args.model,
         "tokenizer": args.tokenizer,
+        "revision": args.revision,
+        "download_dir": args.download_dir,
         "dtype": args.dtype,
         "device": args.device,
         "block_size": args.block_size,
@@ -221,7 +316,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "mixed_step_cuda_graphs": args.mixed_step_cuda_graphs,
         "async_scheduling": args.async_scheduling,
-        "cpu_offload_gb": args.cpu_offload_gb,
+        "swap_space": swap_space_arg(args),
         "load_format": args.load_format,
         "num_spare_experts": args.num_spare_experts,
         "quantization": args.quantization,

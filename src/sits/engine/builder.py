@@ -79,11 +79,15 @@ def build_engine(
         UnsupportedModelError: the architecture or one of its options is not supported.
         InvalidParameterError: the tenants' reservations do not fit the KV cache ("tenants").
     """
-    model_dir = resolve_model_path(config.model)
+    model_dir = resolve_model_path(config.model, **config.hub_options)
     info = read_model_info(config, model_dir)
     tokenizer: Tokenizer | None = None
     if not config.skip_tokenizer_init:
-        tokenizer_dir = resolve_model_path(config.tokenizer) if config.tokenizer else model_dir
+        tokenizer_dir = (
+            resolve_model_path(config.tokenizer, download_dir=config.download_dir)
+            if config.tokenizer
+            else model_dir
+        )
         tokenizer = Tokenizer(tokenizer_dir)
     if config.load_format == "dummy":
         info = dataclasses.replace(info, model_dir=prepare_dummy_dir(model_dir, config.seed))

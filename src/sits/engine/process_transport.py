@@ -294,4 +294,6 @@ def _load_tokenizer(config: EngineConfig) -> Any:
     from sits.engine.tokenizer import Tokenizer
     from sits.models.loader import resolve_model_path
 
-    return Tokenizer(resolve_model_path(config.tokenizer or config.model))
+    if config.tokenizer:
+        return Tokenizer(resolve_model_path(config.tokenizer, download_dir=config.download_dir))
+    return Tokenizer(resolve_model_path(config.model, **config.hub_options))

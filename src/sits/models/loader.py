@@ -87,11 +87,19 @@ _MAX_NAMES_IN_ERROR = 8
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(name_or_path: str) -> str:
+def resolve_model_path(
+    name_or_path: str, *, revision: str | None = None, download_dir: str | None = None
+) -> str:
     """A local checkpoint directory for a path or a Hugging Face Hub id.
 
     An existing directory is returned as is. Otherwise the name is looked up in the local
     Hugging Face cache, then downloaded (safetensors, json and tokenizer files only).
+
+    Args:
+        name_or_path: a directory or a Hub id.
+        revision: the Hub revision (branch, tag or commit hash); None: the default branch.
+        download_dir: the cache directory to look in and download to (vLLM's
+            `--download-dir`); None: huggingface_hub's default.
 
     Raises:
         ModelNotFoundError: not a directory and not obtainable from the Hub (no network, no
@@ -104,15 +112,20 @@ def resolve_model_path(name_or_path: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
+        hub = {
+            "revision": revision,
+            "cache_dir": download_dir,
+            "allow_patterns": HUB_ALLOW_PATTERNS,
+        }
         try:
-            return snapshot_download(
-                name_or_path, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True
-            )
+            return snapshot_download(name_or_path, local_files_only=True, **hub)
         except Exception:  # not cached: try the network below
-            return snapshot_download(name_or_path, allow_patterns=HUB_ALLOW_PATTERNS)
+            return snapshot_download(name_or_path, **hub)
     except Exception as err:
         raise ModelNotFoundError(
-            f"model {name_or_path!r} is neither a local directory nor downloadable from the "
+            f"model {name_or_path!r}"
+            + (f" at revision {revision!r}" if revision else "")
+            + " is neither a local directory nor downloadable from the "
             f"Hugging Face Hub ({type(err).__name__}: {err})"
         ) from err
 

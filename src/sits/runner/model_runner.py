@@ -118,7 +118,7 @@ class ModelRunner:
         kv_cache_dtype: "auto" (model dtype), "fp8" or "int8" (config.kv_cache_dtype).
         kv_bytes_per_block: bytes one block takes across layers (data and int8 scales).
         kv_cache_bytes: bytes of the whole KV cache (blocks and fp8's fixed scales).
-        num_host_blocks: blocks of the host tier (config.cpu_offload_gb; 0 = none).
+        num_host_blocks: blocks of the host tier (config.swap_space; 0 = none).
         host_kv: the host tier's tensors, or None.
         warmup: what the kernel warm-up ran, or None when it did not run.
         phase_s: cumulative wall seconds of `run`'s phases: "launch" (per-request state and
@@ -217,7 +217,7 @@ class ModelRunner:
             self.block_size,
             self.num_blocks - 1,
         )
-        self.num_host_blocks = num_host_blocks(config.cpu_offload_gb, bytes_per_block)
+        self.num_host_blocks = num_host_blocks(config.swap_space, bytes_per_block)
         self.host_kv: HostKVTier | None = None
         if self.num_host_blocks > 0:
             self.host_kv = HostKVTier(self.kv_caches, self.num_host_blocks)

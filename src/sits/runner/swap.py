@@ -44,9 +44,9 @@ GIB_BYTES = 1 << 30
 DEFAULT_MAX_STAGED_BYTES = 1 << 30
 
 
-def num_host_blocks(cpu_offload_gb: float, bytes_per_block: int) -> int:
-    """Host blocks that fit in `cpu_offload_gb` GiB (0 when the tier is off)."""
-    return int(cpu_offload_gb * GIB_BYTES) // bytes_per_block
+def num_host_blocks(swap_space: float, bytes_per_block: int) -> int:
+    """Host blocks that fit in `swap_space` GiB (0 when the tier is off)."""
+    return int(swap_space * GIB_BYTES) // bytes_per_block
 
 
 def device_index(ids: list[int], device: torch.device) -> Tensor:
