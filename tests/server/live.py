@@ -31,6 +31,7 @@ class LiveServer:
         make_engine: builds the engine (called in the server thread).
         settings: server settings.
         exit_on_fatal: let engine death stop the server (as in production).
+        uvicorn_kwargs: further `uvicorn.Config` options (root_path, ssl_*).
     """
 
     def __init__(
@@ -39,10 +40,12 @@ class LiveServer:
         settings: ServerSettings | None = None,
         *,
         exit_on_fatal: bool = False,
+        uvicorn_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.make_engine = make_engine
         self.settings = settings or ServerSettings()
         self.exit_on_fatal = exit_on_fatal
+        self.uvicorn_kwargs = uvicorn_kwargs or {}
         self.fatal_codes: list[int] = []
         self.engine: Any = None
         self.server: DrainingServer | None = None
@@ -60,7 +63,9 @@ class LiveServer:
             self.loop = asyncio.get_running_loop()
             self.engine = self.make_engine()
             app = build_app(self.engine, self.settings)
-            server = make_server(app, "127.0.0.1", self.port, log_level="warning")
+            server = make_server(
+                app, "127.0.0.1", self.port, log_level="warning", **self.uvicorn_kwargs
+            )
             if not self.exit_on_fatal:
                 server.lifecycle.on_fatal = self.fatal_codes.append
             self.server = server

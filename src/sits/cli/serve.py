@@ -18,7 +18,9 @@ lets the overload state switch the weights of `--precision-switch`; without that
 refused before the model loads (exit 2). So is a busy `--host`/`--port` (`check_port_free`):
 the port is tried before any model work, not after a long load. A `--tensor-parallel-size`
 the model's heads, KV heads or vocabulary do not fit is refused (exit 2, one line) before any
-worker process starts (`sits.cli.tp_check`).
+worker process starts (`sits.cli.tp_check`). vLLM's server flags (several
+`--served-model-name`, `--chat-template`, `--generation-config`, CORS, `--root-path`, HTTPS,
+request logging) are in `sits.cli.vllm_flags`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ from sits.cli.fleet_flags import (
 )
 from sits.cli.key_flags import add_secret_args, resolve_secret
 from sits.cli.tp_check import check_tensor_parallel_fit
+from sits.cli.vllm_flags import (
+    add_vllm_server_args,
+    chat_template_arg,
+    cors_arg,
+    max_logprobs_arg,
+    sampling_defaults_arg,
+    served_names_arg,
+    uvicorn_kwargs_arg,
+)
 from sits.config import ADMIN_KEY_ENV, API_KEY_ENV, ROUTER_KEY_ENV, TRACING_ENVS, env_values
 from sits.core.errors import InvalidParameterError
 from sits.core.sampling_params import MAX_LOGPROBS
@@ -69,7 +80,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_engine_args(p, model_required=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port, 0-65535 (default 8000)")
-    p.add_argument("--served-model-name", default=None, help="name clients use as `model`")
+    add_vllm_server_args(p)  # --served-model-name, --chat-template, CORS, SSL, ...
     add_secret_args(p, "api-key", API_KEY_ENV, "require this bearer key")
     add_secret_args(
         p,
@@ -361,7 +372,7 @@ def engine_config_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]
     """EngineConfig fields from the parsed flags, for checkpoint `model`."""
     kwargs = engine_kwargs(args)
     kwargs["model"] = model
-    kwargs["served_model_name"] = args.served_model_name
+    kwargs["served_model_name"] = served_names_arg(args)[0]
     return kwargs
 
 
@@ -501,6 +512,10 @@ def run_serve(args: argparse.Namespace) -> int:
         precision_policy = precision_policy_arg(args)
         tracing = tracing_settings_arg(args, env_values(*TRACING_ENVS))
         audit = audit_settings_arg(args)  # a bad key file is refused before the model loads
+        chat_template = chat_template_arg(args.chat_template)
+        cors = cors_arg(args)
+        uvicorn_options = uvicorn_kwargs_arg(args)
+        max_logprobs = max_logprobs_arg(args.max_logprobs)
         apply_switch_interval(args.gil_switch_interval_ms)
         # A missing --http/--loop implementation and a busy port are refused here, before the
         # model loads.
@@ -529,8 +544,11 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from sits.engine.async_llm import AsyncLLM
         from sits.engine.builder import tenant_policies_of
+        from sits.models.loader import resolve_model_path
 
         config = EngineConfig(**kwargs)
+        model_dir = resolve_model_path(config.model, **config.hub_options)
+        sampling_defaults = sampling_defaults_arg(args.generation_config, model_dir)
         check_tensor_parallel_fit(config)  # before any worker process starts
         engine = AsyncLLM(
             config,
@@ -541,6 +559,8 @@ def run_serve(args: argparse.Namespace) -> int:
             expert_freeze_after=args.expert_freeze_after,
             restore_frozen_experts=args.restore_frozen_experts,
         )
+        if chat_template is not None:
+            engine.tokenizer.use_chat_template(chat_template)
     except SitsError as exc:
         print(f"error: {flag_prefix(exc, args)}{exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -564,9 +584,18 @@ def run_serve(args: argparse.Namespace) -> int:
         registration=registration,
         fault_injection=fault_injection,
         precision_policy=precision_policy,
+        served_model_aliases=served_names_arg(args)[1],
+        sampling_defaults=sampling_defaults,
+        max_logprobs=max_logprobs,
+        log_requests=args.enable_log_requests and not args.disable_log_requests,
+        max_log_len=args.max_log_len,
+        cors=cors,
     )
+    if sampling_defaults:
+        log.info("sampling defaults from the generation config: %s", sampling_defaults)
     app = build_app(engine, settings)
-    return run_app(app, args.host, args.port, log_level=args.log_level, http=http, loop=args.loop)
+    uvicorn_log_level = args.uvicorn_log_level or args.log_level
+    return run_app(app, args.host, args.port, uvicorn_log_level, http, args.loop, **uvicorn_options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,6 +170,24 @@ class Tokenizer:
             self._token_bytes_cache[token_id] = raw
         return raw
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (a Jinja chat template, vLLM's `--chat-template`)
+        instead of the tokenizer's own.
+
+        Raises:
+            InvalidParameterError("chat_template"): the template is not valid Jinja.
+        """
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment().parse(template)
+        except TemplateSyntaxError as exc:
+            raise InvalidParameterError(
+                "chat_template", f"the chat template is not valid Jinja: {exc}"
+            ) from exc
+        self._hf.chat_template = template
+
     def render_chat(
         self,
         messages: Sequence[dict[str, Any]],

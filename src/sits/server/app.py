@@ -11,7 +11,8 @@ rate-limit headers on every response; with tracing on, `TracingMiddleware` makes
 request (`sits.server.request_tracing`); with an audit log, `AuditRefusalMiddleware` audits
 every error answer to a generation request (`sits.server.audit_refusals`);
 `RequestIdMiddleware` puts `x-request-id` on every response and `Retry-After` on every 503
-(`sits.server.request_id`). `GET /dashboard`
+(`sits.server.request_id`); with CORS settings (`--allowed-origins` ...) Starlette's
+`CORSMiddleware` answers preflights and adds the CORS headers. `GET /dashboard`
 serves the live dashboard (`sits.server.routes_dashboard`). Nothing is global, so one process
 may build several apps.
 """
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 import sits
 from sits.server.admin import admin_router
@@ -118,6 +120,15 @@ def build_app(
         app.add_middleware(TracingMiddleware, tracer=ctx.tracer)
     if ctx.audit is not None:  # every error answer to a generation request, with its trace id
         app.add_middleware(AuditRefusalMiddleware, audit=ctx.audit)
+    if settings.cors is not None:  # answers preflights before auth sees them
+        cors = settings.cors
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     app.add_middleware(RequestIdMiddleware)  # x-request-id on all, Retry-After on all 503s
     app.add_middleware(ReceivedAtMiddleware)  # outermost: stamps the receipt time first
     app.include_router(ops_router)

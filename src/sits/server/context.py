@@ -26,7 +26,7 @@ import contextvars
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from fastapi import Request
 
 from sits.admission.precision_policy import PrecisionPolicySettings
 from sits.core.errors import EngineDeadError, InvalidParameterError
+from sits.core.sampling_params import MAX_LOGPROBS
 from sits.obs.cost_metrics import CostCollector
 from sits.obs.loop_lag import EventLoopLagMonitor, starvation_advice
 from sits.obs.request_audit import AuditSettings, ServerAudit
@@ -65,6 +66,24 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_EXIT_CODE = 1
 _CUT_STREAMS_FLUSH_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class CorsSettings:
+    """Cross-origin resource sharing (`--allowed-origins` and the other CORS flags, as in
+    vLLM; Starlette's `CORSMiddleware` answers preflights and adds the headers).
+
+    Attributes:
+        allowed_origins: origins a browser may call from ("*": any).
+        allowed_methods: HTTP methods allowed cross-origin.
+        allowed_headers: request headers allowed cross-origin.
+        allow_credentials: allow cookies and HTTP authentication cross-origin.
+    """
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +119,18 @@ class ServerSettings:
             `sits.server.faults`); None = off (the default).
         precision_policy: who switches the weights' precision with `--precision-switch`
             (`--precision-policy`, `sits.admission.precision_policy`); manual by default.
+        served_model_aliases: further names clients may pass as `model` (the later names of
+            `--served-model-name a b c`); /v1/models lists every name, responses carry the
+            first.
+        sampling_defaults: the sampling parameters a request leaves unset take these values
+            (`--generation-config`: the model's generation_config.json, as vLLM does):
+            temperature, top_p, top_k, min_p, repetition_penalty, and max_tokens (the most
+            any request may generate, vLLM's reading of max_new_tokens).
+        max_logprobs: the most logprobs (and top_logprobs) a request may ask for
+            (`--max-logprobs`).
+        log_requests: log one line per generation request (`--enable-log-requests`).
+        max_log_len: the most prompt characters such a line shows (None: all).
+        cors: the CORS headers (`--allowed-origins` ...); None: no CORS middleware.
 
     Raises:
         InvalidParameterError: both `api_key` and `tenants` (keys belong in tenants.toml), a
@@ -124,6 +155,12 @@ class ServerSettings:
     registration: RegistrationSettings | None = None
     fault_injection: FaultSpec | None = None
     precision_policy: PrecisionPolicySettings = field(default_factory=PrecisionPolicySettings)
+    served_model_aliases: tuple[str, ...] = ()
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
+    log_requests: bool = False
+    max_log_len: int | None = None
+    cors: CorsSettings | None = None
 
     def __post_init__(self) -> None:
         if self.registration is not None and not self.router_key:
@@ -134,6 +171,12 @@ class ServerSettings:
         if not (math.isfinite(self.gpu_price_per_hour) and self.gpu_price_per_hour >= 0):
             raise InvalidParameterError(
                 "gpu_price_per_hour", f"must be a number >= 0, got {self.gpu_price_per_hour}"
+            )
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameterError(
+                "max_logprobs",
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the most sits' sampler "
+                f"returns), got {self.max_logprobs}",
             )
         if self.api_key is not None and self.tenants is not None:
             raise InvalidParameterError(
@@ -460,9 +503,15 @@ class ServerContext:
         by one check without looking at the request."""
         return NO_TRACE if self.tracer is None else request_trace(request)
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name this server answers to, the response's name first."""
+        aliases = [n for n in self.settings.served_model_aliases if n != self.model_name]
+        return (self.model_name, *dict.fromkeys(aliases))
+
     def check_model(self, name: str | None) -> None:
-        """Raise 404 unless `name` is None or the served model's name."""
-        if name is not None and name != self.model_name:
+        """Raise 404 unless `name` is None or one of the served model's names."""
+        if name is not None and name not in self.model_names:
             raise model_not_found(name)
 
     def new_job(

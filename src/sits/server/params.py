@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sits.core.errors import InvalidParameterError, PromptTooLongError
@@ -204,17 +205,30 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _common_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, object]:
+# Sampling fields a request may leave unset, with the value they then take when the
+# model's generation_config.json (`ServerSettings.sampling_defaults`) gives none.
+_UNSET_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _common_kwargs(
+    req: CompletionRequest | ChatCompletionRequest, defaults: Mapping[str, float]
+) -> dict[str, object]:
+    unset = {
+        name: value if (value := getattr(req, name)) is not None else defaults.get(name, base)
+        for name, base in _UNSET_DEFAULTS.items()
+    }
     return {
         "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
+        **unset,
         "seed": req.seed,
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
         "stop": _stop_list(req.stop),
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
@@ -226,10 +240,14 @@ def _common_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
     }
 
 
-def completion_sampling_params(req: CompletionRequest, max_tokens: int | None) -> SamplingParams:
+def completion_sampling_params(
+    req: CompletionRequest, max_tokens: int | None, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
     """SamplingParams of a completion request (DELTA outputs; the server joins them).
 
     `echo` with `logprobs` asks for prompt logprobs too (the echoed prompt tokens carry theirs).
+    Sampling fields the request leaves unset take `defaults` (the model's generation config,
+    `ServerSettings.sampling_defaults`), else OpenAI's.
 
     Raises:
         InvalidParameterError: a value is out of range (`param` names the field).
@@ -238,21 +256,58 @@ def completion_sampling_params(req: CompletionRequest, max_tokens: int | None) -
     if req.echo and req.logprobs is not None:
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     return SamplingParams(
-        **_common_kwargs(req),
+        **_common_kwargs(req, defaults or {}),
         max_tokens=max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=prompt_logprobs,
     )
 
 
-def chat_sampling_params(req: ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
-    """SamplingParams of a chat request: `logprobs` + `top_logprobs` become `logprobs=N`.
+def chat_sampling_params(
+    req: ChatCompletionRequest, max_tokens: int | None, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
+    """SamplingParams of a chat request: `logprobs` + `top_logprobs` become `logprobs=N`;
+    unset sampling fields take `defaults` as in `completion_sampling_params`.
 
     Raises:
         InvalidParameterError: a value is out of range (`param` names the field).
     """
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return SamplingParams(**_common_kwargs(req), max_tokens=max_tokens, logprobs=logprobs)
+    return SamplingParams(
+        **_common_kwargs(req, defaults or {}), max_tokens=max_tokens, logprobs=logprobs
+    )
+
+
+def generation_max_tokens(
+    requested: int | None, default_cap: int | None, defaults: Mapping[str, float]
+) -> tuple[int | None, int | None]:
+    """`(requested, default_cap)` under the generation config's max_tokens (max_new_tokens),
+    which bounds every request's output as vLLM reads it: an explicit max_tokens above it is
+    lowered to it, and an unset one stands for at most it."""
+    limit = defaults.get("max_tokens")
+    if limit is None:
+        return requested, default_cap
+    limit = int(limit)
+    capped = None if requested is None else min(requested, limit)
+    return capped, limit if default_cap is None else min(default_cap, limit)
+
+
+def check_max_logprobs(fields: Mapping[str, int | None], max_logprobs: int) -> None:
+    """Refuse logprob counts above the server's `--max-logprobs`.
+
+    Args:
+        fields: the request's logprob fields by name (logprobs, top_logprobs,
+            prompt_logprobs), None when unset.
+        max_logprobs: `ServerSettings.max_logprobs`.
+
+    Raises:
+        InvalidParameterError: naming the first field above the limit.
+    """
+    for name, value in fields.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_logprobs:
+            raise InvalidParameterError(
+                name, f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}."
+            )
 
 
 def chat_max_tokens_field(req: ChatCompletionRequest) -> tuple[str, int | None]:

@@ -81,10 +81,10 @@ async def metrics(request: Request) -> Response:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _model_card(ctx: ServerContext) -> ModelCard:
+def _model_card(ctx: ServerContext, name: str) -> ModelCard:
     settings = ctx.settings
     return ModelCard(
-        id=ctx.model_name,
+        id=name,
         root=settings.model_root,
         max_model_len=ctx.max_model_len,
         random_weights=settings.random_weights,
@@ -94,8 +94,10 @@ def _model_card(ctx: ServerContext) -> ModelCard:
 
 @models_router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one served model (with `random_weights` saying whether its weights are random)."""
-    return ModelList(data=[_model_card(_ctx(request))])
+    """The served model, one card per name it is served under (`--served-model-name a b`),
+    with `random_weights` saying whether its weights are random."""
+    ctx = _ctx(request)
+    return ModelList(data=[_model_card(ctx, name) for name in ctx.model_names])
 
 
 @models_router.get("/v1/models/{model_id:path}")
@@ -103,7 +105,7 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     """The served model's card, or 404."""
     ctx = _ctx(request)
     ctx.check_model(model_id)
-    return _model_card(ctx)
+    return _model_card(ctx, model_id)
 
 
 @api_router.post("/v1/completions")

@@ -29,9 +29,11 @@ from sits.server.params import (
     chat_max_tokens_field,
     chat_sampling_params,
     check_chat_request,
+    check_max_logprobs,
     check_max_tokens,
     check_text_fits,
     default_max_tokens_cap,
+    generation_max_tokens,
 )
 from sits.server.protocol import UsageInfo
 from sits.server.protocol_chat import (
@@ -124,7 +126,10 @@ def build_chat_prompt(
     """
     field, requested = chat_max_tokens_field(req)
     check_max_tokens(field, requested)
-    base = chat_sampling_params(req, requested)
+    defaults = ctx.settings.sampling_defaults
+    top = req.top_logprobs if req.logprobs else None
+    check_max_logprobs({"top_logprobs": top}, ctx.settings.max_logprobs)
+    base = chat_sampling_params(req, requested, defaults)
     tokenizer = ctx.tokenizer
     messages = template_messages(req.messages)
     num_chars = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
@@ -136,6 +141,7 @@ def build_chat_prompt(
     check_prompt_ids(token_ids, tokenizer, "messages")
     check_prompt_ids(req.stop_token_ids or [], tokenizer, "stop_token_ids")
     cap = default_max_tokens_cap(tenant, base.n, len(token_ids))
+    requested, cap = generation_max_tokens(requested, cap, defaults)
     limits = resolve_limits(
         len(token_ids),
         requested,

@@ -228,7 +228,29 @@ def request_job(
         received_s=received_at(raw),
     )
     set_response_id(raw, job.request_id)  # the response's x-request-id unless the client's
+    if ctx.settings.log_requests:
+        _log_request(job.request_id, tenant.id, prompts, ctx.settings.max_log_len)
     return job
+
+
+def _log_request(
+    request_id: str, tenant_id: str, prompts: list[EnginePrompt], max_log_len: int | None
+) -> None:
+    """One INFO line per prompt of a generation request (`--enable-log-requests`): its id,
+    tenant, prompt (text up to `max_log_len` characters, else its token count) and params."""
+    for index, prompt in enumerate(prompts):
+        text = prompt.text
+        if text is not None and max_log_len is not None:
+            text = text[:max_log_len]
+        logger.info(
+            "received request %s%s (tenant %s): %d prompt tokens, prompt %r, params %s",
+            request_id,
+            f" prompt {index}" if len(prompts) > 1 else "",
+            tenant_id,
+            len(prompt.token_ids),
+            text,
+            prompt.params,
+        )
 
 
 async def start_request(

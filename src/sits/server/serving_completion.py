@@ -29,9 +29,11 @@ from sits.server.jobs import DONE_EVENT, EnginePrompt, GenerationJob, sse_event
 from sits.server.logprobs import CompletionLogprobsBuilder, PositionLogprobs
 from sits.server.params import (
     check_completion_request,
+    check_max_logprobs,
     check_text_fits,
     completion_sampling_params,
     default_max_tokens_cap,
+    generation_max_tokens,
 )
 from sits.server.protocol import UsageInfo
 from sits.server.protocol_completion import (
@@ -98,10 +100,11 @@ def build_prompts(
         encoded.append((text, token_ids))
     num_prompt_tokens = sum(len(token_ids) for _, token_ids in encoded)
     cap = default_max_tokens_cap(tenant, len(items) * base.n, num_prompt_tokens)
+    requested, cap = generation_max_tokens(req.max_tokens, cap, ctx.settings.sampling_defaults)
     prompts = []
     for text, token_ids in encoded:
         limits = resolve_limits(
-            len(token_ids), req.max_tokens, ctx.max_model_len, default_cap=cap, **ctx.kv_limits
+            len(token_ids), requested, ctx.max_model_len, default_cap=cap, **ctx.kv_limits
         )
         params = dataclasses.replace(base, max_tokens=limits.max_tokens)
         prompts.append(EnginePrompt(text, token_ids, params))
@@ -305,7 +308,10 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     def prepare(tenant: TenantConfig) -> GenerationJob:
         ctx.check_model(req.model)
         check_completion_request(req)
-        base = completion_sampling_params(req, req.max_tokens)
+        settings = ctx.settings
+        logprob_fields = {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs}
+        check_max_logprobs(logprob_fields, settings.max_logprobs)
+        base = completion_sampling_params(req, req.max_tokens, settings.sampling_defaults)
         prompts.extend(build_prompts(req, ctx, base, tenant))
         return request_job(ctx, raw, req, "cmpl", prompts, tenant)
 

@@ -179,6 +179,7 @@ def run_app(
     log_level: str = "info",
     http: str = "auto",
     loop: str = "auto",
+    **uvicorn_kwargs: object,
 ) -> int:
     """Serve `app` until drained or the engine dies.
 
@@ -186,6 +187,8 @@ def run_app(
         app, host, port, log_level: what uvicorn serves, where, and its log level.
         http: the HTTP protocol (`resolve_http`).
         loop: the event loop (`loop_factory`).
+        uvicorn_kwargs: further `uvicorn.Config` options (root_path; ssl_keyfile,
+            ssl_certfile, ssl_ca_certs, ssl_cert_reqs: HTTPS).
 
     Returns:
         The process exit code: 0 after a signal-initiated drain, non-zero after engine death.
@@ -194,7 +197,7 @@ def run_app(
         InvalidParameterError: `http` or `loop` names an unknown or missing implementation.
     """
     factory = loop_factory(loop)
-    server = make_server(app, host, port, log_level, http=resolve_http(http))
+    server = make_server(app, host, port, log_level, http=resolve_http(http), **uvicorn_kwargs)
     logger.info(
         "HTTP: %s on %s", server.config.http, "uvloop" if factory else "asyncio's event loop"
     )
