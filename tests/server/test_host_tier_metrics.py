@@ -49,4 +49,4 @@ def test_swap_counters_are_exported(tiny_model_factory) -> None:
     samples = {family.name: family.samples[0].value for family in _host_tier_families(stats, "m")}
     assert samples["sits:kv_swap_out_blocks"] == stats.swap.num_swap_out_blocks
     assert samples["sits:kv_swapped_bytes"] == stats.swap.num_swapped_bytes
-    assert samples["sits:host_kv_blocks_total"] == stats.num_host_blocks_total
+    assert samples["sits:host_kv_blocks_capacity"] == stats.num_host_blocks_total

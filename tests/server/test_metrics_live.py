@@ -33,6 +33,9 @@ BATCH = (("gold", 30, 6), ("gold", 50, 8), ("gold", 70, 10), ("free", 20, 5), ("
 ALLOWED_LABELS = {
     "model_name", "tenant", "outcome", "slo", "reason", "dimension", "finished_reason", "le",
     "layer", "expert", "tier", "generation",
+    # sits:cache_config_info: the KV cache's configuration, one series
+    "block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+    "num_gpu_blocks", "num_cpu_blocks", "swap_space",
 }  # fmt: skip
 Series = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -105,9 +108,9 @@ def test_tenant_counts_and_request_histograms_equal_what_clients_saw(run) -> Non
         assert value(f"sits:request_{phase}_time_seconds_count") == num
         assert value(f"sits:request_{phase}_time_seconds_sum") > 0
     total_blocks = live.engine.stats().num_total_blocks
-    assert value("sits:kv_tier_blocks_total", tier="device") == total_blocks
+    assert value("sits:kv_tier_blocks_capacity", tier="device") == total_blocks
     assert value("sits:kv_tier_blocks_used", tier="device") == 0
-    assert value("sits:kv_tier_blocks_total", tier="host") == 0
+    assert value("sits:kv_tier_blocks_capacity", tier="host") == 0
 
 
 def test_gpu_seconds_and_cost_per_tenant(run) -> None:
@@ -138,6 +141,8 @@ def test_label_sets_are_bounded(run) -> None:
     request_ids = {r["id"] for r in responses}
     assert len(request_ids) == 2 * len(BATCH)
     for name, labels in samples2:
+        if name.startswith(("process_", "python_")):  # prometheus_client's standard collectors
+            continue
         assert name.startswith("sits:"), name
         for label, label_value in labels:
             assert label in ALLOWED_LABELS, (name, label)

@@ -14,6 +14,9 @@ and split among the tenants of its scheduled requests in proportion to their sch
 `tenant_busy_s`; so the tenants' shares always add up to `busy_s`. The prompt chunks (and
 recomputes) of the last `MAX_PREFILL_CHUNK_LOG` scheduled prefills are kept in the bounded
 `prefill_chunks` ring (request timelines on the dashboard; read it on the engine's thread).
+Tokens per step (prompt chunk tokens and decodes together, vLLM's `iteration_tokens_total`)
+are counted in the buckets of `ITERATION_TOKEN_BUCKETS` (`step_tokens_buckets`, one count per
+bucket, the last for steps above the largest bound; `step_tokens_sum`).
 Invariants: one `account_step` per step run, synchronous or asynchronous (`Stepper`); the
 counters only grow; the clock readings are passed in (nothing in `StepStats` reads a clock).
 
@@ -49,6 +52,7 @@ may span an idle gap); windows without steps log nothing. Costs a few clock read
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -64,6 +68,7 @@ from sits.core.plan import ScheduledRequest, StepPlan
 from sits.core.precision import PrecisionState
 from sits.core.request import Request
 from sits.kvcache.host_pool import SwapStats
+from sits.obs.vllm_metrics import ITERATION_TOKEN_BUCKETS
 from sits.runner.expert_health import ExpertStats
 from sits.sched.config import TenantTier
 from sits.sched.tenants import TenantSchedStats
@@ -147,6 +152,10 @@ class StepStats:
         record_request_chunks: when True (tracing), each request's prompt chunks (and
             recomputes) travel on its next output as `EngineCoreOutput.prefill_chunks`:
             (step end time.monotonic(), tokens) per chunk since its previous output.
+        step_tokens_buckets: steps by their scheduled tokens: index i counts the steps of
+            at most ITERATION_TOKEN_BUCKETS[i] tokens (and more than the bound before), the
+            last index the steps above every bound.
+        step_tokens_sum: tokens scheduled over all steps.
     """
 
     num_steps: int = 0
@@ -169,6 +178,10 @@ class StepStats:
         default_factory=lambda: deque(maxlen=MAX_PREFILL_CHUNK_LOG)
     )
     record_request_chunks: bool = False
+    step_tokens_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    )
+    step_tokens_sum: int = 0
     _first_scheduled_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _unreported_first_scheduled: set[str] = field(default_factory=set, init=False, repr=False)
     _unreported_chunks: dict[str, list[tuple[float, int]]] = field(
@@ -224,6 +237,9 @@ class StepStats:
         phase_s["update"] += update_s
         self.num_decode_rows += len(plan.scheduled) - len(prefills)
         self.num_steps += 1
+        num_step_tokens = sum(tokens_by_tenant.values())
+        self.step_tokens_buckets[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_step_tokens)] += 1
+        self.step_tokens_sum += num_step_tokens
         if prefills:
             start_s, end_s = chunk_s
             num_tokens = sum(sr.num_tokens for sr in prefills)
@@ -327,6 +343,9 @@ class EngineStats:
             tokens; `StepStats.tenant_busy_s`). Read-only.
         precision: the weight sets and the last precision switch (`EngineCore.precision_state`);
             None only in the empty snapshot before the first.
+        step_tokens_buckets, step_tokens_sum: steps by tokens scheduled (`StepStats`: one
+            count per ITERATION_TOKEN_BUCKETS bound, then the steps above the largest); ()
+            in the empty snapshot.
         time_s: time.monotonic() when the snapshot was taken.
     """
 
@@ -356,6 +375,8 @@ class EngineStats:
     busy_s: float = 0.0
     tenant_busy_s: Mapping[str, float] = field(default_factory=dict)
     precision: PrecisionState | None = None
+    step_tokens_buckets: tuple[int, ...] = ()
+    step_tokens_sum: int = 0
     time_s: float = 0.0
 
     def queue_delay_s(self, now_s: float) -> float:
@@ -416,6 +437,8 @@ def snapshot_stats(
         busy_s=core.stats.busy_s,
         tenant_busy_s=dict(core.stats.tenant_busy_s),
         precision=core.precision_state(),
+        step_tokens_buckets=tuple(core.stats.step_tokens_buckets),
+        step_tokens_sum=core.stats.step_tokens_sum,
         time_s=now_s,
     )
 

@@ -27,11 +27,14 @@ The same tokens, TTFTs and TPOTs also feed the request's tenant's metrics and SL
 (`sits.obs.tenant_metrics`), when the recorder is given the tenant.
 Also as vLLM: per request, prefill time (first token - first scheduled), decode time (last
 token - first token), inference time (last token - first scheduled) and its prompt and
-generation token counts as histograms. KV cache per tier: `sits:kv_tier_blocks_used{tier}` and
-`sits:kv_tier_blocks_total{tier}` (tier: device, host). Each ended engine request that produced
-an output also leaves its timings in `ServerMetrics.timelines` (a bounded ring; the
-dashboard's request timelines and latency percentiles).
+generation token counts as histograms. KV cache per tier: `sits:kv_tier_blocks_used{tier}`
+and `sits:kv_tier_blocks_capacity{tier}` (tier: device, host; a gauge, so not `*_total`). Each
+ended engine request that produced an output also leaves its timings in
+`ServerMetrics.timelines` (a bounded ring; the dashboard's request timelines and latency
+percentiles).
 Times are `time.monotonic()` seconds (the engine's timestamps except for inter-token latency).
+The rest of vLLM's set (tokens per step, request parameters, cache config, process and Python
+collectors) and the rule that /metrics shows no `*_created` series: `sits.obs.vllm_metrics`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ from sits.core.sampling_params import SamplingParams
 from sits.obs.output_observer import OutputObserver
 from sits.obs.tenant_metrics import TenantMetrics
 from sits.obs.timeline import RequestTimeline, TimelineBuffer
+from sits.obs.vllm_metrics import (
+    EngineInfoCollector,
+    VllmRequestHistograms,
+    exposition,
+    register_standard_collectors,
+)
 from sits.tenancy import TenantConfig
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -180,7 +189,7 @@ def _host_tier_families(
         yield counter
     for name, doc, value in (
         ("sits:host_kv_blocks_used", "Host KV blocks in use.", stats.num_host_blocks_used),
-        ("sits:host_kv_blocks_total", "Host KV blocks in all.", stats.num_host_blocks_total),
+        ("sits:host_kv_blocks_capacity", "Host KV blocks in all.", stats.num_host_blocks_total),
     ):
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
         gauge.add_metric([model_name], float(value))
@@ -202,7 +211,7 @@ def _kv_tier_families(stats, model_name: str) -> Iterator[GaugeMetricFamily]:
     used = GaugeMetricFamily(
         "sits:kv_tier_blocks_used", "KV blocks in use per tier.", labels=labels
     )
-    total = GaugeMetricFamily("sits:kv_tier_blocks_total", "KV blocks per tier.", labels=labels)
+    total = GaugeMetricFamily("sits:kv_tier_blocks_capacity", "KV blocks per tier.", labels=labels)
     for tier, num_used, num_total in tiers:
         used.add_metric([model_name, tier], float(num_used))
         total.add_metric([model_name, tier], float(num_total))
@@ -319,6 +328,9 @@ class ServerMetrics:
         self.timelines = TimelineBuffer()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineInfoCollector(engine, model_name))
+        register_standard_collectors(self.registry)  # process_*, python_*
+        self.vllm = VllmRequestHistograms(self.registry, getattr(engine, "max_model_len", None))
         labels = ["model_name"]
         reg = self.registry
         self.request_success = Counter(
@@ -413,11 +425,14 @@ class ServerMetrics:
     ) -> RequestRecorder:
         """An observer recording one engine request's outputs (for `tenant` too, if given;
         `received_s`: the HTTP request's receipt, time.monotonic() seconds)."""
-        return RequestRecorder(self, len(prompt.token_ids), prompt.params.n, tenant, received_s)
+        params = prompt.params
+        return RequestRecorder(
+            self, len(prompt.token_ids), params.n, tenant, received_s, params.max_tokens
+        )
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (no `*_created` series)."""
+        return generate_latest(exposition(self.registry))
 
 
 class RequestRecorder(OutputObserver):
@@ -435,8 +450,10 @@ class RequestRecorder(OutputObserver):
         num_samples: int,
         tenant: TenantConfig | None = None,
         received_s: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.m = metrics
+        self.max_tokens = max_tokens
         self.t = metrics.tenants if tenant is not None else None
         self.tenant = tenant
         self.received_s = received_s
@@ -560,6 +577,8 @@ class RequestRecorder(OutputObserver):
         num_output_tokens = sum(self.tokens_by_sample.values())
         self.m.request_prompt_tokens.labels(label).observe(self.num_prompt_tokens)
         self.m.request_generation_tokens.labels(label).observe(num_output_tokens)
+        most = max(self.tokens_by_sample.values(), default=0)
+        self.m.vllm.observe(label, self.num_samples, self.max_tokens, most)
         output = self.last_output
         if output is None or output.metrics is None:
             return

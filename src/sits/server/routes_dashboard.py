@@ -148,7 +148,7 @@ def dashboard_data(
     signals, rate = ctx.overload_watcher.snapshot()
     breaker = ctx.qos.breaker
     kv_used = samples.by_label("sits:kv_tier_blocks_used", "tier")
-    kv_total = samples.by_label("sits:kv_tier_blocks_total", "tier")
+    kv_total = samples.by_label("sits:kv_tier_blocks_capacity", "tier")
     precision = engine_precision(ctx.engine)
     return {
         "model_name": ctx.model_name,
