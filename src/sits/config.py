@@ -411,7 +411,13 @@ PROFILE_FILE_ENV = "SITS_PROFILE_FILE"
 OTEL_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 OTEL_SAMPLER_ARG_ENV = "OTEL_TRACES_SAMPLER_ARG"
 OTEL_SDK_DISABLED_ENV = "OTEL_SDK_DISABLED"
-TRACING_ENVS = (*OTEL_ENDPOINT_ENVS, OTEL_SAMPLER_ARG_ENV, OTEL_SDK_DISABLED_ENV)
+OTEL_PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+TRACING_ENVS = (
+    *OTEL_ENDPOINT_ENVS,
+    OTEL_SAMPLER_ARG_ENV,
+    OTEL_SDK_DISABLED_ENV,
+    *OTEL_PROTOCOL_ENVS,
+)
 CPU_THREADS_ENV = "SITS_CPU_THREADS"
 TORCH_THREADS_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 CPU_THREADS_ENVS = (CPU_THREADS_ENV, *TORCH_THREADS_ENVS)
@@ -434,6 +440,8 @@ ENVIRONMENT_VARIABLES: dict[str, str] = {
     OTEL_ENDPOINT_ENVS[1]: "OpenTelemetry: OTLP endpoint (turns tracing on)",
     OTEL_SAMPLER_ARG_ENV: "OpenTelemetry: the traces' sample ratio",
     OTEL_SDK_DISABLED_ENV: "OpenTelemetry: 'true' turns tracing off",
+    OTEL_PROTOCOL_ENVS[0]: "OpenTelemetry: OTLP protocol of traces (grpc or http/protobuf)",
+    OTEL_PROTOCOL_ENVS[1]: "OpenTelemetry: OTLP protocol (grpc or http/protobuf)",
     CPU_THREADS_ENV: "torch threads of the engine on a CPU (default 1; 0: torch's own count)",
     TORCH_THREADS_ENVS[0]: "OpenMP threads: when set, the engine keeps torch's thread count",
     TORCH_THREADS_ENVS[1]: "MKL threads: when set, the engine keeps torch's thread count",

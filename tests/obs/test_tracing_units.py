@@ -86,8 +86,11 @@ def test_serve_flags() -> None:
 
 
 def test_traces_endpoint_keeps_a_path() -> None:
-    assert traces_endpoint("http://c:4318/") == "http://c:4318/v1/traces"
-    assert traces_endpoint("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
+    assert traces_endpoint("http://c:4318/") == ("http://c:4318/v1/traces", "http/protobuf")
+    assert traces_endpoint("https://c/otlp/v1/traces") == (
+        "https://c/otlp/v1/traces",
+        "http/protobuf",
+    )
 
 
 # --- tail sampling ---------------------------------------------------------------------------

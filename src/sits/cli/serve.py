@@ -179,7 +179,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="URL",
         help="export one OpenTelemetry trace per request over OTLP/HTTP to URL (e.g. "
-        "http://localhost:4318/v1/traces; a URL without a path gets /v1/traces); tracing is "
+        "http://localhost:4318/v1/traces; a URL without a path gets /v1/traces), or over "
+        "OTLP/gRPC to grpc://HOST:PORT (grpcs:// with TLS; or an http URL with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc); tracing is "
         "also on when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT is set, "
         "and the other OTEL_* variables (headers, timeout, service name) apply",
     )

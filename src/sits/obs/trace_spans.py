@@ -28,6 +28,10 @@ from opentelemetry.util.types import AttributeValue
 
 # OpenTelemetry GenAI semantic conventions (gen_ai.*).
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_PROVIDER = "sits"  # the value of gen_ai.provider.name: who serves the model
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"

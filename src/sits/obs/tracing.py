@@ -14,7 +14,9 @@ kept:
 The decision is taken when the local root span ends; spans of that trace ending later follow
 the same decision (remembered for the last `_MAX_DECISIONS` traces). At most
 `max_buffered_traces` traces wait for a decision at once; beyond that the oldest is dropped.
-The exporter is OTLP over HTTP/protobuf, configured by the standard `OTEL_*` environment
+The exporter is OTLP over HTTP/protobuf or over gRPC (a `grpc://` or `grpcs://` endpoint, or
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` = `grpc`, as vLLM's
+`--otlp-traces-endpoint grpc://...`), configured by the standard `OTEL_*` environment
 variables (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_ENDPOINT`, headers,
 timeout, ...) which the exporter library reads itself; `resolve_tracing` turns the CLI flags
 and those variables into `TracingSettings`. Nothing here is imported unless tracing is on.
@@ -36,7 +38,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
 from opentelemetry.trace import SpanContext, StatusCode
 
-from sits.config import OTEL_ENDPOINT_ENVS, OTEL_SAMPLER_ARG_ENV, OTEL_SDK_DISABLED_ENV
+from sits.config import (
+    OTEL_ENDPOINT_ENVS,
+    OTEL_PROTOCOL_ENVS,
+    OTEL_SAMPLER_ARG_ENV,
+    OTEL_SDK_DISABLED_ENV,
+)
 from sits.core.errors import InvalidParameterError
 
 DEFAULT_SERVICE_NAME = "sits"
@@ -44,6 +51,10 @@ TRACER_NAME = "sits"
 ERROR_TYPE = "error.type"  # OpenTelemetry semantic conventions
 SLO_VIOLATED = "sits.slo.violated"
 OTLP_TRACES_PATH = "/v1/traces"
+HTTP_PROTOCOL = "http/protobuf"
+GRPC_PROTOCOL = "grpc"
+OTLP_PROTOCOLS = (HTTP_PROTOCOL, GRPC_PROTOCOL)
+_GRPC_SCHEMES = {"grpc": "http", "grpcs": "https"}  # -> the gRPC exporter's URL schemes
 
 _MAX_DECISIONS = 4096
 
@@ -53,8 +64,10 @@ class TracingSettings:
     """How requests are traced.
 
     Attributes:
-        endpoint: the OTLP/HTTP traces URL (`--otlp-traces-endpoint`); None = what the
+        endpoint: the OTLP traces URL (`--otlp-traces-endpoint`; with gRPC "http://host:port"
+            for plain text, "https://host:port" for TLS); None = what the
             `OTEL_EXPORTER_OTLP_*` variables say (the exporter reads them).
+        protocol: "http/protobuf" (the default) or "grpc".
         sample_ratio: fraction in [0, 1] of ordinary traces kept (errors and traces over
             their SLO are always kept).
         exporter: a span exporter to use instead of OTLP (tests: `InMemorySpanExporter`).
@@ -68,8 +81,14 @@ class TracingSettings:
     sample_ratio: float = 1.0
     exporter: SpanExporter | None = None
     max_buffered_traces: int = 10_000
+    protocol: str = HTTP_PROTOCOL
 
     def __post_init__(self) -> None:
+        if self.protocol not in OTLP_PROTOCOLS:
+            raise InvalidParameterError(
+                "otlp_traces_endpoint",
+                f"the OTLP protocol must be one of {OTLP_PROTOCOLS}, got {self.protocol!r}",
+            )
         if not (math.isfinite(self.sample_ratio) and 0.0 <= self.sample_ratio <= 1.0):
             raise InvalidParameterError(
                 "trace_sample_ratio",
@@ -81,23 +100,45 @@ class TracingSettings:
             )
 
 
-def traces_endpoint(url: str) -> str:
-    """The OTLP/HTTP traces URL of `url`: as given, or with `/v1/traces` when it has no path
+def traces_endpoint(url: str, protocol: str = HTTP_PROTOCOL) -> tuple[str, str]:
+    """(endpoint, protocol) of `url`: a `grpc://` URL is gRPC in plain text and `grpcs://`
+    gRPC over TLS (the exporter's "http://" and "https://" forms); an http(s) URL is sent
+    with `protocol`, and with HTTP gets `/v1/traces` when it has no path
     (`http://collector:4318` -> `http://collector:4318/v1/traces`).
 
     Raises:
-        InvalidParameterError("otlp_traces_endpoint"): not an http(s) URL.
+        InvalidParameterError("otlp_traces_endpoint"): not a grpc(s) or http(s) URL.
     """
     parts = urlsplit(url)
+    if parts.scheme in _GRPC_SCHEMES and parts.netloc:
+        return f"{_GRPC_SCHEMES[parts.scheme]}://{parts.netloc}", GRPC_PROTOCOL
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise InvalidParameterError(
             "otlp_traces_endpoint",
             f"--otlp-traces-endpoint must be an http(s) URL such as "
-            f"http://localhost:4318{OTLP_TRACES_PATH}, got {url!r}",
+            f"http://localhost:4318{OTLP_TRACES_PATH}, or grpc://localhost:4317, got {url!r}",
         )
-    if parts.path in ("", "/"):
-        return url.rstrip("/") + OTLP_TRACES_PATH
-    return url
+    if protocol == HTTP_PROTOCOL and parts.path in ("", "/"):
+        return url.rstrip("/") + OTLP_TRACES_PATH, protocol
+    return url, protocol
+
+
+def _protocol_of(environ: Mapping[str, str]) -> str:
+    """The OTLP protocol the variables ask for (the traces' own first), else HTTP.
+
+    Raises:
+        InvalidParameterError: a protocol other than grpc or http/protobuf.
+    """
+    for name in OTEL_PROTOCOL_ENVS:
+        value = environ.get(name, "").strip().lower()
+        if value:
+            if value not in OTLP_PROTOCOLS:
+                raise InvalidParameterError(
+                    "otlp_traces_endpoint",
+                    f"{name}={value!r}: sits exports traces over {' or '.join(OTLP_PROTOCOLS)}",
+                )
+            return value
+    return HTTP_PROTOCOL
 
 
 def resolve_tracing(
@@ -125,10 +166,10 @@ def resolve_tracing(
             raise InvalidParameterError(
                 "trace_sample_ratio", f"{OTEL_SAMPLER_ARG_ENV}={raw!r} is not a number"
             ) from exc
-    return TracingSettings(
-        endpoint=None if endpoint is None else traces_endpoint(endpoint),
-        sample_ratio=sample_ratio,
-    )
+    protocol = _protocol_of(environ)
+    if endpoint is not None:
+        endpoint, protocol = traces_endpoint(endpoint, protocol)
+    return TracingSettings(endpoint=endpoint, sample_ratio=sample_ratio, protocol=protocol)
 
 
 def is_error_span(span: ReadableSpan) -> bool:
@@ -235,6 +276,19 @@ class TailSamplingProcessor(SpanProcessor):
         return self.delegate.force_flush(timeout_millis)
 
 
+def _otlp_exporter(settings: TracingSettings) -> SpanExporter:
+    """The OTLP exporter of `settings.protocol` (each reads the `OTEL_*` variables itself)."""
+    if settings.protocol == GRPC_PROTOCOL:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        return GrpcSpanExporter(endpoint=settings.endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=settings.endpoint)
+
+
 def default_resource() -> Resource:
     """The SDK's resource (it reads `OTEL_RESOURCE_ATTRIBUTES` / `OTEL_SERVICE_NAME`), with
     service.name "sits" unless one was configured."""
@@ -260,9 +314,7 @@ class Tracing:
     def __init__(self, settings: TracingSettings) -> None:
         exporter = settings.exporter
         if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=settings.endpoint)
+            exporter = _otlp_exporter(settings)
         self.settings = settings
         self.provider = TracerProvider(
             sampler=ALWAYS_ON, resource=default_resource(), shutdown_on_exit=False

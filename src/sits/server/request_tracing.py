@@ -6,7 +6,8 @@ SERVER span, named `{method} {route}`, as a child of the incoming W3C `tracepare
 is valid), puts its own `traceparent` on the response, and ends the span when the app is done
 with the request (a stream: after its last event and cleanup). The span tree of a generation
 request:
-    POST /v1/chat/completions     http.*, gen_ai.* (GenAI semantic conventions), sits.tenant,
+    POST /v1/chat/completions     http.*, server.address/port, gen_ai.* (GenAI semantic
+    |                             conventions, gen_ai.provider.name "sits"), sits.tenant,
     |                             sits.outcome, SLO figures
     |-- admission                 drain check, parsing and tokenizing, QoS admission
     |-- queue                     per engine request (one per prompt; `sits.prompt_index`),
@@ -59,6 +60,8 @@ from sits.core.outputs import RequestOutput
 from sits.obs.output_observer import OutputObserver
 from sits.obs.trace_spans import (
     GEN_AI_OPERATION_NAME,
+    GEN_AI_PROVIDER,
+    GEN_AI_PROVIDER_NAME,
     GEN_AI_REQUEST_CHOICE_COUNT,
     GEN_AI_REQUEST_MAX_TOKENS,
     GEN_AI_REQUEST_MODEL,
@@ -70,6 +73,8 @@ from sits.obs.trace_spans import (
     GEN_AI_USAGE_INPUT_TOKENS,
     GEN_AI_USAGE_OUTPUT_TOKENS,
     PROMPT_INDEX,
+    SERVER_ADDRESS,
+    SERVER_PORT,
     EngineTimeline,
     add_engine_spans,
     monotonic_offset_ns,
@@ -281,6 +286,7 @@ class RequestTrace:
         operation = _OPERATIONS.get(route)
         if operation is not None:
             span.set_attribute(GEN_AI_OPERATION_NAME, operation)
+            span.set_attribute(GEN_AI_PROVIDER_NAME, GEN_AI_PROVIDER)
             span.set_attribute(GEN_AI_REQUEST_MODEL, self.tracer.model_name)
         if self.job is not None:
             self._record_job(self.job, tenant)
@@ -379,11 +385,10 @@ class RequestTracer:
         }
         parent = self.propagator.extract(headers)
         method, path = scope["method"], scope["path"]
+        attributes: dict[str, str | int] = {"http.request.method": method, "url.path": path}
+        attributes.update(_server_attributes(headers.get("host"), scope.get("server")))
         span = self.tracer.start_span(
-            f"{method} {path}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path},
+            f"{method} {path}", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )
         trace = RequestTrace(self, span, method, path)
         scope.setdefault("state", {})[TRACE_STATE_KEY] = trace
@@ -396,6 +401,19 @@ class RequestTracer:
     async def shutdown(self) -> None:
         """Flush and stop the exporter (in a worker thread: an OTLP export may block)."""
         await asyncio.to_thread(self.tracing.shutdown)
+
+
+def _server_attributes(host: str | None, server: tuple[str, int] | None) -> dict[str, str | int]:
+    """`server.address` and `server.port` of a request: the Host header's (what the client
+    called, as the HTTP semantic conventions ask), else the listening socket's."""
+    if host:
+        address, sep, port = host.rpartition(":")
+        if sep and port.isdigit() and (not address.startswith("[") or address.endswith("]")):
+            return {SERVER_ADDRESS: address.strip("[]"), SERVER_PORT: int(port)}
+        return {SERVER_ADDRESS: host.strip("[]")}  # no port: the scheme's default
+    if server is None:
+        return {}
+    return {SERVER_ADDRESS: server[0], SERVER_PORT: int(server[1])}
 
 
 class TracingMiddleware:
