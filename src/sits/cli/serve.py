@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import math
 import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sits.cli.flags import flag_prefix
+from sits.cli.flags import flag_prefix, non_negative_number, port_number, positive_seconds
 from sits.cli.fleet_flags import (
     add_fleet_args,
     fault_injection_arg,
@@ -79,7 +78,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model")
     add_engine_args(p, model_required=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port, 0-65535 (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port, 0-65535 (default 8000)")
     add_vllm_server_args(p)  # --served-model-name, --chat-template, CORS, SSL, ...
     add_secret_args(p, "api-key", API_KEY_ENV, "require this bearer key")
     add_secret_args(
@@ -167,7 +166,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-price-per-hour",
-        type=_gpu_price,
+        type=non_negative_number,
         default=0.0,
         metavar="PRICE",
         help="price of one GPU-hour: exports each tenant's cost and cost per 1M tokens in "
@@ -215,7 +214,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-step-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=ENGINE_STEP_TIMEOUT_S,
         metavar="S",
         help="seconds one engine step may run before the engine counts as hung: open "
@@ -226,7 +225,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-stall-floor",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help='/health answers 503 ("engine_stalled", the engine lives on) while one step has '
@@ -236,7 +235,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=_gpu_price,
+        type=non_negative_number,
         default=20.0,
         help="seconds SIGTERM waits for in-flight requests before cutting them (default 20: "
         "with 2 s to write the cut streams' error events and 5 s for connections to close, "
@@ -272,14 +271,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--precision-red-seconds",
-        type=_gpu_price,
+        type=non_negative_number,
         default=None,
         metavar="S",
         help="seconds of red before the overload policy switches to low precision (default 5)",
     )
     p.add_argument(
         "--precision-green-seconds",
-        type=_gpu_price,
+        type=non_negative_number,
         default=None,
         metavar="S",
         help="seconds of green before the overload policy switches back to full precision "
@@ -288,40 +287,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_fleet_args(p)
     p.set_defaults(func=run_serve)
     return p
-
-
-def _port(value: str) -> int:
-    """argparse type of --port: an integer in [0, 65535] (checked before the model loads)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0-65535, got {port}")
-    return port
-
-
-def _gpu_price(value: str) -> float:
-    """argparse type of --gpu-price-per-hour, --shutdown-timeout and --precision-*-seconds: a
-    finite number >= 0."""
-    try:
-        price = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not (math.isfinite(price) and price >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r}")
-    return price
-
-
-def _positive_seconds(value: str) -> float:
-    """argparse type of --engine-step-timeout: a finite number of seconds > 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value!r}")
-    return seconds
 
 
 def check_port_free(host: str, port: int) -> None:
