@@ -487,16 +487,20 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    @property
-    def kv_limits(self) -> dict[str, int]:
-        """`resolve_limits`' KV arguments (`num_kv_blocks`, `block_size`) when the engine
-        tells its cache (an unset max_tokens then fills no more than the cache holds); {}
-        for an engine double that does not."""
+    def fill_cap(self, cap: int | None, num_prompt_tokens: int) -> int | None:
+        """`cap` (the most an unset max_tokens stands for) lowered to what the engine's KV
+        cache holds after the prompt, when the engine tells its cache (`num_kv_blocks`,
+        `block_size`): a context longer than the cache (`--max-model-len` set so) then fills
+        the cache, not the context. A prompt the cache cannot hold keeps `cap`: the engine
+        refuses it with the cache's numbers."""
         num_kv_blocks = getattr(self.engine, "num_kv_blocks", None)
         block_size = getattr(self.engine, "block_size", None)
         if num_kv_blocks is None or block_size is None:
-            return {}
-        return {"num_kv_blocks": num_kv_blocks, "block_size": block_size}
+            return cap
+        room = num_kv_blocks * block_size - num_prompt_tokens
+        if room < 1:
+            return cap
+        return room if cap is None else min(cap, room)
 
     def trace_of(self, request: Request) -> RequestTrace | NoOpTrace:
         """The request's trace; `NO_TRACE` (its calls do nothing) while tracing is off, decided

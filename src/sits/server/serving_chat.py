@@ -147,8 +147,7 @@ def build_chat_prompt(
         requested,
         ctx.max_model_len,
         prompt_param="messages",
-        default_cap=cap,
-        **ctx.kv_limits,
+        default_cap=ctx.fill_cap(cap, len(token_ids)),
     )
     return EnginePrompt(None, token_ids, dataclasses.replace(base, max_tokens=limits.max_tokens))
 

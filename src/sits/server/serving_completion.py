@@ -103,9 +103,8 @@ def build_prompts(
     requested, cap = generation_max_tokens(req.max_tokens, cap, ctx.settings.sampling_defaults)
     prompts = []
     for text, token_ids in encoded:
-        limits = resolve_limits(
-            len(token_ids), requested, ctx.max_model_len, default_cap=cap, **ctx.kv_limits
-        )
+        fill_cap = ctx.fill_cap(cap, len(token_ids))
+        limits = resolve_limits(len(token_ids), requested, ctx.max_model_len, default_cap=fill_cap)
         params = dataclasses.replace(base, max_tokens=limits.max_tokens)
         prompts.append(EnginePrompt(text, token_ids, params))
     return prompts
