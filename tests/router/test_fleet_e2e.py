@@ -265,8 +265,10 @@ def test_sigterm_of_a_replica_under_load_fails_no_request(fleet: Fleet, http: ht
         wait_for(lambda: load.count() >= 3, "load requests answered")
         streams = start_streams(http, router, {**STREAM, "max_tokens": 100}, FLEET, 30)
         on_victim = [s for s in streams if s.replica == victim]
-        assert on_victim, [s.replica for s in streams]
-        assert all(s.ended_s is None for s in on_victim), [len(s.frames) for s in on_victim]
+        # Some of the victim's streams may already be done on an idle machine: the signal
+        # must reach at least one that is still running.
+        running = [s for s in on_victim if s.ended_s is None]
+        assert running, [(s.replica, len(s.frames)) for s in streams]
         proc.send_signal(signal.SIGTERM)  # the server process alone, as `kill PID`
         assert proc.wait(WAIT_S) == 0  # it drained its streams, then exited
         num_at_exit = load.count()
